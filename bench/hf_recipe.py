@@ -1,0 +1,275 @@
+"""Measure the HF recipe's peak GPU memory over many cases (issue 2, item 7). Run on the GPU machine.
+
+One JSON line per case, appended to --out as soon as the case ends (a run cut at its time limit keeps what it
+measured). Each architecture is built once, with random weights, directly on the GPU; each case wraps it with
+PEFT, runs 3 recipe steps, records every phase's allocator counters, and unwraps it again.
+
+    PYTHONUNBUFFERED=1 python3 bench/hf_recipe.py --group llama-3.1-8b:bf16 --out $OUT/hf_recipe.jsonl
+
+`--list` prints the groups. `--snapshot-dir DIR` writes a compact allocation trace of the last step of the cases
+marked for it (what was allocated where, for attributing the peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fitune.profile import hf_recipe  # noqa: E402
+
+QV = ["q_proj", "v_proj"]
+ALL = "all-linear"
+
+# (targets, rank, batch, seq, checkpointing, attn, snapshot)
+LLAMA_BF16 = [
+    (QV, 8, 2, 2048, True, "sdpa", True),
+    (QV, 8, 2, 2048, False, "sdpa", True),
+    (QV, 8, 1, 512, False, "sdpa", False),
+    (QV, 8, 8, 256, False, "sdpa", False),
+    (QV, 8, 1, 8192, True, "sdpa", False),
+    (QV, 8, 1, 32768, True, "sdpa", False),
+    (QV, 8, 4, 1024, True, "eager", False),
+    (QV, 8, 1, 2048, False, "eager", False),
+    (ALL, 16, 2, 2048, True, "sdpa", False),
+    (ALL, 16, 2, 2048, False, "sdpa", True),
+    (ALL, 64, 1, 4096, True, "sdpa", False),
+    (ALL, 32, 1, 16384, True, "sdpa", False),
+    (QV, 8, 4, 4096, True, "sdpa", False),
+]
+LLAMA_NF4 = [
+    (QV, 8, 2, 2048, True, "sdpa", True),
+    (ALL, 32, 1, 8192, True, "sdpa", False),
+    (ALL, 16, 2, 2048, False, "sdpa", False),
+    (QV, 8, 1, 16384, True, "sdpa", False),
+    (ALL, 64, 4, 1024, True, "eager", False),
+    (ALL, 32, 1, 32768, True, "sdpa", False),
+]
+MISTRAL_BF16 = [
+    (QV, 8, 2, 2048, True, "sdpa", False),
+    (QV, 8, 2, 2048, False, "sdpa", False),
+    (ALL, 16, 1, 4096, True, "sdpa", False),
+    (QV, 16, 8, 512, False, "sdpa", False),
+    (QV, 8, 2, 1024, False, "eager", False),
+    (QV, 8, 1, 16384, True, "sdpa", False),
+]
+QWEN25_BF16 = [
+    (QV, 8, 2, 2048, True, "sdpa", False),
+    (QV, 8, 2, 2048, False, "sdpa", False),
+    (ALL, 16, 4, 2048, False, "sdpa", False),
+    (ALL, 64, 1, 32768, True, "sdpa", False),
+    (QV, 8, 8, 1024, True, "eager", False),
+    (QV, 32, 1, 256, False, "sdpa", False),
+]
+QWEN25_NF4 = [
+    (QV, 8, 2, 2048, True, "sdpa", False),
+    (ALL, 16, 2, 4096, False, "sdpa", False),
+]
+QWEN3_BF16 = [
+    (QV, 8, 2, 2048, True, "sdpa", False),
+    (QV, 8, 2, 2048, False, "sdpa", False),
+    (ALL, 32, 1, 8192, True, "sdpa", False),
+    (ALL, 8, 4, 1024, False, "eager", False),
+    (QV, 8, 1, 16384, False, "sdpa", False),
+    (QV, 16, 8, 512, True, "sdpa", False),
+]
+GEMMA2_BF16 = [
+    (QV, 8, 2, 2048, True, "eager", False),
+    (QV, 8, 2, 2048, False, "eager", True),
+    (ALL, 16, 1, 4096, True, "eager", False),
+    (QV, 8, 2, 2048, True, "sdpa", False),
+    (ALL, 8, 4, 512, False, "sdpa", False),
+    (QV, 8, 1, 8192, True, "sdpa", False),
+]
+
+GROUPS = {
+    "llama-3.1-8b:bf16": ("llama-3.1-8b", "lora", LLAMA_BF16),
+    "llama-3.1-8b:nf4": ("llama-3.1-8b", "qlora", LLAMA_NF4),
+    "mistral-7b:bf16": ("mistral-7b", "lora", MISTRAL_BF16),
+    "qwen2.5-1.5b:bf16": ("qwen2.5-1.5b", "lora", QWEN25_BF16),
+    "qwen2.5-1.5b:nf4": ("qwen2.5-1.5b", "qlora", QWEN25_NF4),
+    "qwen3-1.7b:bf16": ("qwen3-1.7b", "lora", QWEN3_BF16),
+    "gemma-2-2b:bf16": ("gemma-2-2b", "lora", GEMMA2_BF16),
+}
+
+
+def load_catalog_config(name: str) -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fname in ("models.json", "models_seed.json"):
+        path = os.path.join(here, "..", "fitune", "specs", "data", fname)
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+            if name in data:
+                return data[name]["config"]
+    raise SystemExit(f"model {name!r} not in the catalog")
+
+
+_KEEP = ("transformers/", "peft/", "bitsandbytes/", "bench/", "fitune/", "torch/nn/", "torch/optim/",
+         "torch/utils/checkpoint", "torch/autograd")
+
+
+def _where(frames) -> str:
+    for fr in frames:
+        fn = fr.get("filename", "")
+        for k in _KEEP:
+            i = fn.find(k)
+            if i >= 0:
+                return f"{fn[i:]}:{fr.get('line')}:{fr.get('name')}"
+    return "?"
+
+
+def compact_snapshot(snapshot: dict) -> dict:
+    """Reduce a CUDA memory snapshot to events [action, addr, size, where] with a table of where-strings."""
+    wheres: dict[str, int] = {}
+    events = []
+    for e in snapshot["device_traces"][0]:
+        action = e["action"]
+        if action not in ("alloc", "free_completed", "segment_alloc", "segment_free"):
+            continue
+        w = _where(e.get("frames", []))
+        idx = wheres.setdefault(w, len(wheres))
+        events.append([action, e["addr"], e["size"], idx])
+    return {"where": list(wheres), "events": events}
+
+
+def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int) -> None:
+    import torch
+
+    model_name, method, cases = GROUPS[group]
+    cfg = load_catalog_config(model_name)
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    model = hf_recipe.build_random_model(cfg, attn="sdpa")
+    if method == "qlora":
+        hf_recipe.quantize_decoder_to_nf4(model)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base_allocated = torch.cuda.memory_allocated()
+    print(f"[{group}] built in {time.perf_counter() - t0:.1f}s, {base_allocated / 2**30:.2f} GiB", flush=True)
+    vocab = cfg["vocab_size"]
+    for i, (targets, rank, batch, seq, ckpt, attn, snap) in enumerate(cases):
+        record = {
+            "group": group, "model": model_name, "method": method, "case": i,
+            "lora_targets": targets if isinstance(targets, str) else ",".join(targets), "lora_rank": rank,
+            "batch_size": batch, "seq_len_tokens": seq, "grad_checkpointing": "full" if ckpt else "none",
+            "attn": attn, "dtype": "bf16", "optimizer": "adamw", "loss": "hf", "stack": "hf",
+            "model_only_allocated_bytes": base_allocated,
+        }
+        peft_model = None
+        try:
+            model.set_attn_implementation(attn)
+            peft_model = hf_recipe.wrap_lora(model, rank, targets)
+            if ckpt:
+                hf_recipe.enable_checkpointing(peft_model)
+            trainable = [p for p in peft_model.parameters() if p.requires_grad]
+            record["trainable_params"] = sum(p.numel() for p in trainable)
+            record["trainable_bytes"] = sum(p.numel() * p.element_size() for p in trainable)
+            opt = torch.optim.AdamW(trainable, lr=1e-4)
+            ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats()
+            record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
+            record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
+            if snap and snapshot_dir:
+                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps - 1, count_saved_on_last=False)
+                torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+                peaks += hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=1)
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
+                with gzip.open(path, "wt") as f:
+                    json.dump(compact_snapshot(snapshot), f)
+                del snapshot
+            else:
+                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps)
+            stats = torch.cuda.memory_stats()
+            record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
+            record["steps"] = [asdict(p) for p in peaks]
+            phase_peaks = [(p.forward_peak_allocated_bytes, p.forward_peak_reserved_bytes) for p in peaks]
+            phase_peaks += [(p.backward_peak_allocated_bytes, p.backward_peak_reserved_bytes) for p in peaks]
+            phase_peaks += [(p.optimizer_peak_allocated_bytes, p.optimizer_peak_reserved_bytes) for p in peaks]
+            record["peak_allocated_bytes"] = max(a for a, _ in phase_peaks)
+            record["peak_reserved_bytes"] = max(r for _, r in phase_peaks)
+            last = peaks[-1]
+            record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+            record["ok"] = True
+            del opt, ids, trainable
+        except torch.OutOfMemoryError as exc:
+            record["ok"] = False
+            record["error"] = "oom: " + str(exc)[:300]
+        except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
+            record["ok"] = False
+            record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            if peft_model is not None:
+                if ckpt:
+                    hf_recipe.disable_checkpointing(peft_model)
+                model = peft_model.unload()
+                del peft_model
+            gc.collect()
+            torch.cuda.empty_cache()
+        record["versions"] = _versions()
+        with open(out_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
+               f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
+               if record["ok"] else record["error"][:120])
+        print(f"[{group}] case {i} {record['lora_targets']} r{rank} b{batch} s{seq} ckpt={ckpt} {attn}: {msg}",
+              flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+_VERSIONS: dict | None = None
+
+
+def _versions() -> dict:
+    global _VERSIONS
+    if _VERSIONS is None:
+        import torch
+        import transformers
+        import peft
+
+        v = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+             "gpu": torch.cuda.get_device_name(), "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory}
+        try:
+            import bitsandbytes
+
+            v["bitsandbytes"] = bitsandbytes.__version__
+        except ImportError:
+            pass
+        _VERSIONS = v
+    return _VERSIONS
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group", action="append", help="a group from --list (repeatable); default: all")
+    p.add_argument("--out", default="hf_recipe.jsonl")
+    p.add_argument("--snapshot-dir")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--list", action="store_true")
+    args = p.parse_args()
+    if args.list:
+        for g, (_, _, cases) in GROUPS.items():
+            print(g, len(cases))
+        return 0
+    for g in args.group or list(GROUPS):
+        run_group(g, args.out, args.snapshot_dir, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
