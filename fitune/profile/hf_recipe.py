@@ -99,8 +99,18 @@ def enable_checkpointing(model) -> None:
 
 
 def disable_checkpointing(model) -> None:
+    """Undo `enable_checkpointing` completely.
+
+    transformers' `gradient_checkpointing_enable` already registers an input-requires-grad hook on a PEFT model,
+    and the recipe's own `enable_input_require_grads()` registers a second one that replaces the first in
+    `_require_grads_hooks`, so `disable_input_require_grads()` leaves one behind. Remove every such hook.
+    """
     model.gradient_checkpointing_disable()
     model.disable_input_require_grads()
+    embeddings = model.get_input_embeddings()
+    for key, hook in list(embeddings._forward_hooks.items()):
+        if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+            del embeddings._forward_hooks[key]
 
 
 @dataclass
