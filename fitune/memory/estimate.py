@@ -1,0 +1,279 @@
+"""`estimate()`: where every byte of one training step goes, per category and per phase.
+
+How: the resident terms (weights, adapters, optimizer state, cuBLAS workspaces) are closed formulas
+(weights.py, adapters.py, optimizer.py, overheads.py); the step itself is written onto a tape op by op
+(layers.py, loss.py) and replayed (tape.py) to find each phase's peak and what is live at it; the same tape runs
+through a model of the caching allocator (allocator.py) for the reserved peak. Steady state is modelled
+(the second and later steps: optimizer state exists, gradients were freed by `zero_grad(set_to_none=True)`).
+
+Pure Python; no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..setup import TrainSetup
+from ..specs.gpu import GpuSpec, cublas_workspace_bytes
+from ..specs.model import ModelSpec
+from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
+from .allocator import replay_reserved
+from .autograd import Autograd, Tensor
+from .layers import FP32, LayerContext, decoder_layer
+from .tape import (ACTIVATIONS, ADAPTERS, BACKWARD, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
+                   OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Tape, replay)
+
+ALLOCATOR_OVERHEAD = "allocator_overhead"
+
+
+@dataclass(frozen=True)
+class PhaseEstimate:
+    peak_allocated_bytes: int
+    breakdown: dict[str, int]
+    at: str  # the allocation at which the phase peaks (a tensor label)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimate of one training step. All sizes in bytes."""
+
+    model: str
+    setup: TrainSetup
+    breakdown: dict[str, int]
+    """Bytes per category live at the overall peak, plus `allocator_overhead` = reserved - allocated."""
+    phases: dict[str, PhaseEstimate]
+    peak_phase: str
+    peak_allocated_bytes: int
+    """What `torch.cuda.max_memory_allocated()` reports over the steps."""
+    peak_reserved_bytes: int
+    """What `torch.cuda.max_memory_reserved()` reports: allocated plus the caching allocator's fragmentation."""
+    resident_bytes: dict[str, int]
+    trainable_params: int
+    total_params: int
+    host_bytes: int = 0
+    """Pinned CPU memory the plan needs (offloaded checkpoints)."""
+    gpu: GpuSpec | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the reserved peak stays within the GPU's allocator budget (None without a GPU)."""
+        return None if self.gpu is None else self.peak_reserved_bytes <= self.gpu.allocator_budget_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.gpu is None else self.gpu.allocator_budget_bytes - self.peak_reserved_bytes
+
+    def largest_terms(self, n: int = 3) -> list[tuple[str, int]]:
+        items = [(k, v) for k, v in self.breakdown.items() if v > 0]
+        return sorted(items, key=lambda kv: -kv[1])[:n]
+
+
+def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None) -> MemoryEstimate:
+    """Estimate peak GPU memory of one training step of `setup` on `model` (optionally judged against `gpu`)."""
+    setup.validate(num_layers=model.num_layers, hidden_size=model.hidden_size, linear_names=model.linear_names())
+    notes: list[str] = []
+    w = weights.DTYPE_BYTES[setup.dtype]
+    if setup.method == "qlora":
+        w = 2  # NF4 storage, bf16 compute
+    counts = weights.count_params(model)
+    trainable = adapters.trainable_param_count(model, setup)
+    trainable_bytes = adapters.trainable_param_bytes(model, setup)
+
+    # ---- resident before the step --------------------------------------------------------------------
+    weight_bytes = weights.weight_bytes(model, setup.method, "bf16" if setup.method == "qlora" else setup.dtype)
+    adapter_bytes = trainable_bytes if setup.method in ("lora", "qlora") else 0
+    state_bytes = _optimizer_state_bytes(model, setup, trainable_bytes)
+    if setup.optimizer == "paged_adamw8bit":
+        notes.append(f"paged_adamw8bit keeps its {state_bytes / 2**30:.2f} GiB of state in CUDA managed memory, "
+                     "outside PyTorch's allocator (not in the peaks); it pages to CPU under pressure")
+        state_bytes_allocator = 0
+    else:
+        state_bytes_allocator = state_bytes
+    cc = gpu.compute_capability if gpu is not None and gpu.compute_capability else "9.0"
+    workspace = overheads.cublas_workspaces_bytes(cc)
+    resident = {
+        WEIGHTS: weight_bytes,
+        ADAPTERS: adapter_bytes,
+        OPTIMIZER: state_bytes_allocator,
+        WORKSPACES: workspace,
+    }
+
+    # ---- the step, op by op ----------------------------------------------------------------------------
+    tape = Tape()
+    ag = Autograd(tape)
+    b, s = setup.batch_size, setup.seq_len_tokens
+    T = b * s
+    mode = setup.checkpointed_layers_mode
+    k_ckpt = {"none": 0, "full": model.num_layers, "offload": model.num_layers}.get(mode, setup.selective_k() or 0)
+    inputs_require_grad = mode != "none" or setup.method == "full"  # enable_input_require_grads() with checkpointing
+    ctx = LayerContext(
+        model=model, batch_size=b, seq_len_tokens=s, act_bytes=w,
+        lora_targets=adapters.lora_targets(model, setup), lora_rank=setup.lora_rank,
+        qlora=setup.method == "qlora", trainable_base=setup.method == "full", attn=setup.attn,
+        use_cache=mode == "none" and setup.stack == "hf",
+    )
+    ids = tape.alloc(8 * T * 3, TRANSIENTS, "input_ids+labels")
+    cos_sin = tape.alloc(overheads.rope_cache_bytes(model, s, w), ACTIVATIONS, "rope cos/sin")
+    mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
+    x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
+    if inputs_require_grad and mode == "none":
+        ag.save_only([x], "embedding output")  # kept alive with requires_grad (measured: 2 x h bytes/token)
+    host_bytes = 0
+    freeze_from = model.num_layers - setup.freeze_trainable_layers if setup.method == "freeze" else None
+    sliding = _sliding_layers(model)
+    for layer in range(model.num_layers):
+        c = ctx
+        if freeze_from is not None and layer >= freeze_from:
+            c = LayerContext(**{**ctx.__dict__, "trainable_base": True})
+        if layer < k_ckpt:
+            y, offloaded = _checkpointed_layer(ag, c, x, layer in sliding, offload=mode == "offload")
+            host_bytes += offloaded
+        else:
+            y = decoder_layer(ag, c, x, layer in sliding)
+        ag.drop(x)
+        x = y
+    gemma = model.model_type.startswith("gemma")
+    from .layers import rms_norm  # local: keeps the import list above about composition
+
+    h = rms_norm(ag, ctx, x, model.hidden_size, "final_norm", gemma)
+    ag.drop(x)
+    if setup.loss == "chunked":
+        loss = loss_terms.chunked_loss(ag, model, h, T, w)
+    else:
+        loss = loss_terms.hf_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full")
+    ag.drop(h)
+    tape.free(mask)
+    # ---- backward --------------------------------------------------------------------------------------
+    ag.seed_grad(loss, FP32, "grad:loss")
+    ag.backward()
+    tape.free(cos_sin, ids, loss.tid)
+    # ---- optimizer step --------------------------------------------------------------------------------
+    tape.phase = OPTIMIZER_STEP
+    step_tmp = tape.alloc(opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes), TRANSIENTS, "optimizer step")
+    tape.free(step_tmp)
+    tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
+
+    phases = replay(tape.events, resident)
+    peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
+    peak_alloc = phases[peak_phase].peak_bytes
+    reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events)
+    reserved = max(reserved, peak_alloc)
+    breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in CATEGORIES}
+    breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
+    if setup.stack == "fitune":
+        notes.append("--stack fitune models fitune's runner, which today runs the same steps as the HF recipe")
+    return MemoryEstimate(
+        model=model.name,
+        setup=setup,
+        breakdown=breakdown,
+        phases={p: PhaseEstimate(v.peak_bytes, {k: v.by_category.get(k, 0) for k in CATEGORIES}, v.at_label)
+                for p, v in phases.items()},
+        peak_phase=peak_phase,
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=reserved,
+        resident_bytes=resident,
+        trainable_params=trainable,
+        total_params=counts.total,
+        host_bytes=host_bytes,
+        gpu=gpu,
+        notes=tuple(notes),
+    )
+
+
+def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes: int) -> int:
+    if setup.method in ("lora", "qlora"):
+        targets = adapters.lora_targets(model, setup)
+        numels = []
+        for moe, n_layers in ((False, model.dense_layers), (True, model.moe_layers)):
+            for lin in model.linears(moe):
+                if lin.name in targets:
+                    numels += [setup.lora_rank * lin.in_features, setup.lora_rank * lin.out_features] * n_layers
+        if setup.optimizer == "adafactor":
+            shapes = []
+            for moe, n_layers in ((False, model.dense_layers), (True, model.moe_layers)):
+                for lin in model.linears(moe):
+                    if lin.name in targets:
+                        shapes += [(setup.lora_rank, lin.in_features), (lin.out_features, setup.lora_rank)] * n_layers
+            return opt_terms.adafactor_state_bytes(shapes)
+        return opt_terms.optimizer_state_bytes(setup.optimizer, numels, adapters.LORA_PARAM_BYTES)
+    n = adapters.trainable_param_count(model, setup)
+    per = weights.DTYPE_BYTES[setup.dtype]
+    if setup.optimizer == "adafactor":
+        return 4 * 2 * int(n ** 0.5) * max(1, model.num_layers)  # rows + columns: tiny next to the weights
+    return opt_terms.optimizer_state_bytes(setup.optimizer, [n], per)
+
+
+def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, int]) -> list[int]:
+    """Split the resident bytes into the allocations model loading makes (one per parameter tensor)."""
+    blocks: list[int] = []
+    n_tensors = max(1, model.num_layers * (len(model.linears()) + model.norms_per_layer) + 3)
+    for key in (WEIGHTS, ADAPTERS, OPTIMIZER):
+        total = resident.get(key, 0)
+        if total:
+            per = max(1, total // n_tensors)
+            blocks += [per] * (total // per)
+    blocks += [resident.get(WORKSPACES, 0) // 2] * 2
+    return blocks
+
+
+def _sliding_layers(model: ModelSpec) -> set[int]:
+    if not model.sliding_window_layers:
+        return set()
+    layer_types = model.hf_config.get("layer_types")
+    if layer_types:
+        return {i for i, t in enumerate(layer_types) if t == "sliding_attention"}
+    if model.model_type == "gemma2":
+        return {i for i in range(model.num_layers) if i % 2 == 0}
+    if model.model_type == "gemma3_text":
+        pattern = int(model.hf_config.get("sliding_window_pattern", 6))
+        return {i for i in range(model.num_layers) if (i + 1) % pattern != 0}
+    return set(range(model.num_layers - model.sliding_window_layers, model.num_layers))
+
+
+def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool, offload: bool) -> tuple[Tensor, int]:
+    """A layer under non-reentrant activation checkpointing (torch.utils.checkpoint, use_reentrant=False).
+
+    Forward: the layer runs with its transients, but what autograd would save is dropped at once; only the
+    layer's input is kept (in CPU memory when offloaded). Backward: the layer is recomputed (its saved tensors
+    come back), then differentiated; PyTorch stops the recomputation once every saved tensor is back, so the
+    layer's final output is not rebuilt (here: freed at once).
+    """
+    sub = Autograd(ag.tape)
+    y = decoder_layer(sub, c, x, sliding)
+    for node in sub.nodes:
+        sub.release_saved([t for t in node.saved if t.tid not in (x.tid, y.tid)])
+    offloaded = 0
+    if offload:
+        offloaded = x.nbytes
+    else:
+        ag.save_only([x], "checkpoint input")
+
+    def backward(main: Autograd, output: Tensor | None) -> None:
+        g = main.take_grad(output)
+        if g is None:
+            return
+        restored = x
+        if offload:  # the input comes back from pinned host memory before the recomputation
+            restored = Tensor(main.tape.alloc(x.nbytes, ACTIVATIONS, "checkpoint input (from host)"), x.nbytes, True, "x")
+        sub2 = Autograd(main.tape)
+        y2 = decoder_layer(sub2, c, restored, sliding)
+        sub2._grads[y2.tid] = g
+        sub2._grad_refs[g.tid] = 1
+        sub2.drop(y2)
+        sub2.backward()
+        main.param_grads.extend(sub2.param_grads)
+        gx = sub2._grads.pop(restored.tid, None)
+        if gx is not None:
+            if offload:
+                main._grads[x.tid] = gx
+            else:
+                main._grads[x.tid] = gx
+            main._grad_refs[gx.tid] = 1
+        if offload:
+            main.tape.free(restored.tid)
+
+    if offload:
+        ag.tape.free(x.tid)  # the GPU copy goes; the host copy stays until backward
+    ag.custom(backward, y, "checkpointed layer")
+    return y, offloaded

@@ -1,0 +1,360 @@
+"""The ops of a decoder layer as transformers 5 + PEFT run them, written onto the memory tape.
+
+Each function mirrors one piece of modelling code and says, in its docstring, what it allocates, what
+autograd saves and why (the source line). Sizes are bytes for `ctx.tokens` tokens. The measured allocation
+traces in bench/results/hf_recipe/snap_*.json.gz show these sequences op by op (llama-3.1-8b, H200).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..specs.model import LinearSpec, ModelSpec
+from .autograd import Autograd, Tensor
+from .tape import ACTIVATIONS, TRANSIENTS
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What the layer ops need to size tensors."""
+
+    model: ModelSpec
+    batch_size: int
+    seq_len_tokens: int
+    act_bytes: int  # bytes per element of activations (2 for bf16/fp16, 4 for fp32)
+    lora_targets: frozenset[str]  # module names wrapped by LoRA (empty for full / freeze)
+    lora_rank: int
+    qlora: bool
+    trainable_base: bool  # full fine-tuning of this layer: base weights train (and save their inputs)
+    attn: str  # sdpa | flash | eager
+    use_cache: bool  # transformers builds a DynamicCache (no checkpointing): k, v are copied into it
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len_tokens
+
+
+def frozen_or_trainable_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
+    """`nn.Linear` (or a bitsandbytes `Linear4bit`) not wrapped by LoRA.
+
+    Forward allocates the output (act_bytes x out x tokens). Autograd saves the input only when the weight
+    trains (derivatives.yaml: `mm`'s `mat2` gradient needs `self`); a frozen weight saves nothing per token.
+    NF4: bitsandbytes `MatMul4Bit` dequantises the whole weight to bf16 for the matmul, in forward and again in
+    backward (bitsandbytes/autograd/_functions.py), a transient of in x out x 2 bytes.
+    """
+    T, w = c.tokens, c.act_bytes
+    deq = ag.new(w * lin.in_features * lin.out_features, False, f"{lin.name}:nf4-dequant") if c.qlora else None
+    y = ag.new(w * lin.out_features * T, x.requires_grad or c.trainable_base, lin.name)
+    ag.drop(deq)
+    param_grad = (lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0)) * w if c.trainable_base else 0
+    ag.record(y, [x], [x] if c.trainable_base else [], [w * lin.in_features * T],
+              extra_bytes=w * lin.in_features * lin.out_features if c.qlora else 0,
+              param_grad_bytes=param_grad, label=lin.name)
+    return y
+
+
+def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
+    """A PEFT LoRA `Linear` (peft/tuners/lora/layer.py `Linear.forward`, peft 0.21).
+
+    `result = base_layer(x)`; the adapter weights are fp32 (`autocast_adapter_dtype=True`), so
+    `x = self._cast_input_dtype(x, lora_A.weight.dtype)` makes an fp32 copy of the input (4 x in bytes per token),
+    one per wrapped module even when q, k and v share x, and lora_A saves it. `result + lora_B(lora_A(x)) *
+    scaling` is promoted to fp32 (two fp32 temporaries of `out`) and cast back by `result.to(torch_result_dtype)`.
+    QLoRA (peft/tuners/lora/bnb.py `Linear4bit.forward`): the base output is `clone()`d and the adapter output is
+    cast to bf16 *before* scaling, so its temporaries are bf16.
+    """
+    T, w, r = c.tokens, c.act_bytes, c.lora_rank
+    n_in, n_out = lin.in_features, lin.out_features
+    base = frozen_or_trainable_linear(ag, c, x, lin)
+    if c.qlora:
+        cloned = ag.new(w * n_out * T, base.requires_grad, f"{lin.name}:clone")
+        ag.record_passthrough(cloned, [base], label=f"{lin.name}:clone")
+        ag.drop(base)
+        base = cloned
+    if w != FP32:
+        xc = ag.new(FP32 * n_in * T, x.requires_grad, f"{lin.name}:lora-input-fp32")
+        ag.record(xc, [x], [], [w * n_in * T], label=f"{lin.name}:cast")
+    else:
+        xc = x
+    a = ag.new(FP32 * r * T, True, f"{lin.name}:lora_A")
+    ag.record(a, [xc], [xc], [FP32 * n_in * T], param_grad_bytes=FP32 * r * n_in, label=f"{lin.name}:lora_A")
+    if xc is not x:
+        ag.drop(xc)
+    b = ag.new(FP32 * n_out * T, True, f"{lin.name}:lora_B")
+    ag.record(b, [a], [a], [FP32 * r * T], param_grad_bytes=FP32 * r * n_out, label=f"{lin.name}:lora_B")
+    ag.drop(a)
+    if c.qlora:
+        b16 = ag.new(w * n_out * T, True, f"{lin.name}:to-bf16")
+        ag.record(b16, [b], [], [FP32 * n_out * T])
+        ag.drop(b)
+        scaled = ag.new(w * n_out * T, True, f"{lin.name}:scaled")
+        ag.record_passthrough(scaled, [b16])
+        ag.drop(b16)
+        out = ag.new(w * n_out * T, True, f"{lin.name}:out")
+        ag.record_passthrough(out, [base, scaled])
+        ag.drop(base, scaled)
+        return out
+    scaled = ag.new(FP32 * n_out * T, True, f"{lin.name}:scaled")
+    ag.record_passthrough(scaled, [b])
+    ag.drop(b)
+    summed = ag.new(max(FP32, w) * n_out * T, True, f"{lin.name}:sum")
+    ag.record(summed, [base, scaled], [], [w * n_out * T, 0])
+    ag.drop(base, scaled)
+    if w != FP32:
+        out = ag.new(w * n_out * T, True, f"{lin.name}:out")
+        ag.record(out, [summed], [], [FP32 * n_out * T])
+        ag.drop(summed)
+        return out
+    return summed
+
+
+def linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
+    if lin.name in c.lora_targets:
+        return lora_linear(ag, c, x, lin)
+    return frozen_or_trainable_linear(ag, c, x, lin)
+
+
+def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, gemma: bool = False) -> Tensor:
+    """`LlamaRMSNorm` / `Gemma2RMSNorm` over `width` features (modeling_llama.py L60-67).
+
+    The input is upcast to fp32 (`hidden_states.to(torch.float32)`); `pow` and `mul` save that fp32 copy and
+    the per-row `rsqrt` (4 bytes per row): 4 x width + 4 bytes per token (per head for q/k norms). The frozen
+    weight saves nothing per token. Forward temporaries: pow output, the normalised fp32 tensor, its cast.
+    Gemma computes `output * (1 + weight)` in fp32 as well, one more fp32 temporary.
+    """
+    T, w = c.tokens, c.act_bytes
+    rows = T * (1 if width == c.model.hidden_size else max(1, c.model.hidden_size // max(width, 1)))
+    rows = T if label in ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "final_norm") else rows
+    x32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:fp32") if w != FP32 else x
+    sq = ag.new(FP32 * x.nbytes // w, False, f"{label}:pow")
+    ag.drop(sq)
+    rs = ag.new(FP32 * rows, x.requires_grad, f"{label}:rsqrt")
+    y32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:normed")
+    ag.record(y32, [x], [x32, rs] if x.requires_grad else [], [x.nbytes], extra_bytes=3 * FP32 * x.nbytes // w, label=label)
+    if x32 is not x:
+        ag.drop(x32)
+    ag.drop(rs)
+    if gemma:
+        y2 = ag.new(FP32 * x.nbytes // w, y32.requires_grad, f"{label}:scaled")
+        ag.record_passthrough(y2, [y32])
+        ag.drop(y32)
+        y32 = y2
+    out = ag.new(x.nbytes, y32.requires_grad, f"{label}:out")
+    ag.record(out, [y32], [], [y32.nbytes], label=label)
+    ag.drop(y32)
+    if not gemma:  # llama: `self.weight * hidden_states.to(input_dtype)`: one more activation-sized tensor
+        out2 = ag.new(x.nbytes, out.requires_grad, f"{label}:weighted")
+        ag.record_passthrough(out2, [out])
+        ag.drop(out)
+        out = out2
+    return out
+
+
+def rope(ag: Autograd, c: LayerContext, q: Tensor, label: str) -> Tensor:
+    """`apply_rotary_pos_emb`: `(q * cos) + (rotate_half(q) * sin)` (modeling_llama.py L134-160).
+
+    cos/sin do not require grad, so the muls save cos and sin (shared by all layers) and nothing per layer.
+    Forward temporaries: q*cos, the negated half, the concatenation, rotate_half(q)*sin.
+    """
+    a = ag.new(q.nbytes, q.requires_grad, f"{label}:q*cos")
+    neg = ag.new(q.nbytes // 2, False, f"{label}:neg")
+    cat = ag.new(q.nbytes, False, f"{label}:rotate_half")
+    ag.drop(neg)
+    b = ag.new(q.nbytes, q.requires_grad, f"{label}:rot*sin")
+    ag.drop(cat)
+    out = ag.new(q.nbytes, q.requires_grad, f"{label}:rope")
+    ag.record(out, [q], [], [q.nbytes], extra_bytes=2 * q.nbytes, label=label)
+    ag.drop(a, b)
+    return out
+
+
+def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tensor, sliding: bool) -> Tensor:
+    """The attention itself: SDPA (flash / memory-efficient kernels) or the eager softmax(QK^T)V.
+
+    SDPA, no mask: grouped-query attention is passed through natively (`enable_gqa`, transformers
+    `use_gqa_in_sdpa`), the flash kernel saves q, k, v, the output and the fp32 log-sum-exp (4 x heads bytes per
+    token); its backward allocates an fp32 dq accumulator and, under GQA, full-head dk/dv before reducing them
+    (flash_api.cpp `mha_bwd`). With a sliding-window mask (a window shorter than the sequence) transformers
+    repeats k/v to all heads and the memory-efficient kernel runs with the boolean mask.
+    Eager (modeling_llama.py `eager_attention_forward`): `repeat_kv` copies k and v to all heads, the scores are
+    b x heads x s x s; softmax in fp32 saves its fp32 output, the bf16 cast is saved by the second matmul:
+    6 bytes per score, per layer (4 + 2; the attention dropout at p=0 saves no mask - measured).
+    """
+    m = c.model
+    T, w, b, s = c.tokens, c.act_bytes, c.batch_size, c.seq_len_tokens
+    qd = m.q_dim
+    gqa = m.num_kv_heads != m.num_heads
+    masked = sliding and m.sliding_window is not None and s > m.sliding_window
+    if c.attn in ("sdpa", "flash") and not (c.attn == "sdpa" and masked):
+        out = ag.new(w * qd * T, True, "attn:out")
+        lse = ag.new(FP32 * m.num_heads * T, True, "attn:lse")
+        extra = FP32 * qd * T + FP32 * m.num_heads * T + (2 * w * qd * T if gqa else 0)
+        ag.record(out, [q, k, v], [q, k, v, out, lse], [q.nbytes, k.nbytes, v.nbytes], extra_bytes=extra, label="sdpa")
+        ag.drop(lse)
+        return out
+    if c.attn == "sdpa":  # masked: repeat_kv + memory-efficient kernel
+        k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
+        out = ag.new(w * qd * T, True, "attn:out")
+        lse = ag.new(FP32 * m.num_heads * b * (-(-s // 32) * 32), True, "attn:lse")
+        extra = FP32 * qd * T + FP32 * m.num_heads * T
+        ag.record(out, [q, k_rep, v_rep], [q, k_rep, v_rep, out, lse], [q.nbytes, k_rep.nbytes, v_rep.nbytes],
+                  extra_bytes=extra, label="sdpa-masked")
+        ag.drop(lse, *((k_rep, v_rep) if gqa else ()))
+        return out
+    # eager
+    k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
+    n_scores = b * m.num_heads * s * s
+    scores = ag.new(w * n_scores, True, "attn:scores")
+    ag.record(scores, [q, k_rep], [q, k_rep], [q.nbytes, k_rep.nbytes], label="qk")
+    scaled = ag.new(w * n_scores, True, "attn:scaled")
+    ag.record_passthrough(scaled, [scores])
+    ag.drop(scores)
+    if m.attn_logit_softcapping:
+        div = ag.new(w * n_scores, True, "attn:softcap/")
+        ag.record_passthrough(div, [scaled])
+        ag.drop(scaled)
+        th = ag.new(w * n_scores, True, "attn:tanh")
+        ag.record(th, [div], [th], [w * n_scores], label="softcap-tanh")
+        ag.drop(div)
+        scaled = ag.new(w * n_scores, True, "attn:softcap*")
+        ag.record_passthrough(scaled, [th])
+        ag.drop(th)
+    masked_scores = ag.new(w * n_scores, True, "attn:masked")
+    ag.record_passthrough(masked_scores, [scaled])
+    ag.drop(scaled)
+    p32 = ag.new(FP32 * n_scores, True, "attn:softmax-fp32")
+    ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=FP32 * n_scores, label="softmax")
+    ag.drop(masked_scores)
+    p = ag.new(w * n_scores, True, "attn:probs")
+    ag.record(p, [p32], [], [FP32 * n_scores], label="probs-cast")
+    ag.drop(p32)
+    out = ag.new(w * qd * T, True, "attn:pv")
+    ag.record(out, [p, v_rep], [p, v_rep], [p.nbytes, v_rep.nbytes], label="pv")
+    ag.drop(p)
+    if gqa:
+        ag.drop(k_rep, v_rep)
+    # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout
+    out2 = ag.new(out.nbytes, True, "attn:contiguous")
+    ag.record_passthrough(out2, [out])
+    ag.drop(out)
+    return out2
+
+
+def _repeat_kv(ag: Autograd, c: LayerContext, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """`repeat_kv`: expand + reshape copies k and v to every query head (backward sums them back)."""
+    m, T, w = c.model, c.tokens, c.act_bytes
+    k_rep = ag.new(w * m.q_dim * T, True, "attn:k_rep")
+    ag.record(k_rep, [k], [], [k.nbytes], label="repeat_kv")
+    v_rep = ag.new(w * m.q_dim * T, True, "attn:v_rep")
+    ag.record(v_rep, [v], [], [v.nbytes], label="repeat_kv")
+    return k_rep, v_rep
+
+
+def attention_block(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool) -> Tensor:
+    """Projections, q/k norms (Qwen3, Gemma 3), RoPE, the KV cache copy, attention, o_proj."""
+    m, T, w = c.model, c.tokens, c.act_bytes
+    lins = {lin.name: lin for lin in m.attention_linears()}
+    if m.fused_qkv:
+        qkv = linear(ag, c, x, lins["qkv_proj"])
+        # `qkv[..., :q_dim]` etc. are views of one storage: all three keep it alive
+        q, k, v = (Tensor(qkv.tid, 0, qkv.requires_grad, n) for n in ("q", "k", "v"))
+        q = _view_as_new(ag, qkv, w * m.q_dim * T, "q")
+        k = _view_as_new(ag, qkv, w * m.kv_dim * T, "k")
+        v = _view_as_new(ag, qkv, w * m.kv_dim * T, "v")
+        ag.drop(qkv)
+    else:
+        q = linear(ag, c, x, lins["q_proj"])
+        k = linear(ag, c, x, lins["k_proj"])
+        v = linear(ag, c, x, lins["v_proj"])
+    if m.qk_norm:
+        q2 = rms_norm(ag, c, q, m.head_dim, "q_norm", gemma=m.model_type.startswith("gemma"))
+        ag.drop(q)
+        k2 = rms_norm(ag, c, k, m.head_dim, "k_norm", gemma=m.model_type.startswith("gemma"))
+        ag.drop(k)
+        q, k = q2, k2
+    q2 = rope(ag, c, q, "rope_q")
+    ag.drop(q)
+    k2 = rope(ag, c, k, "rope_k")
+    ag.drop(k)
+    q, k = q2, k2
+    if c.use_cache:  # DynamicCache.update: torch.cat copies k and v into the cache; attention uses the copies
+        kc = ag.new(k.nbytes, k.requires_grad, "cache:k")
+        ag.record_passthrough(kc, [k])
+        vc = ag.new(v.nbytes, v.requires_grad, "cache:v")
+        ag.record_passthrough(vc, [v])
+        ag.drop(k, v)
+        k, v = kc, vc
+    out = attention_core(ag, c, q, k, v, sliding)
+    ag.drop(q, k, v)
+    y = linear(ag, c, out, lins["o_proj"])
+    ag.drop(out)
+    return y
+
+
+def _view_as_new(ag: Autograd, base: Tensor, nbytes: int, label: str) -> Tensor:
+    t = ag.new(nbytes, base.requires_grad, f"{label}:split")
+    ag.record_passthrough(t, [base])
+    return t
+
+
+def mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
+    """Gated MLP: `down_proj(act(gate_proj(x)) * up_proj(x))` (SiLU for Llama/Qwen/Mistral, tanh-GELU for Gemma).
+
+    The activation saves its input, the product saves both factors: 3 x intermediate x act_bytes per token.
+    Phi-3's fused `gate_up_proj` output is chunked into views, so its whole storage stays saved (same bytes).
+    """
+    m, T, w = c.model, c.tokens, c.act_bytes
+    i = m.intermediate_size
+    lins = {lin.name: lin for lin in m.dense_mlp_linears()}
+    if m.fused_gate_up:
+        gu = linear(ag, c, x, lins["gate_up_proj"])
+        act = ag.new(w * i * T, gu.requires_grad, "mlp:act")
+        ag.record(act, [gu], [gu], [gu.nbytes], label="act")
+        prod = ag.new(w * i * T, gu.requires_grad, "mlp:prod")
+        ag.record(prod, [gu, act], [act], [gu.nbytes, act.nbytes], label="mul")
+        ag.drop(gu, act)
+    else:
+        g = linear(ag, c, x, lins["gate_proj"])
+        act = ag.new(w * i * T, g.requires_grad, "mlp:act")
+        ag.record(act, [g], [g], [g.nbytes], label="act")
+        ag.drop(g)
+        u = linear(ag, c, x, lins["up_proj"])
+        prod = ag.new(w * i * T, True, "mlp:prod")
+        ag.record(prod, [act, u], [act, u], [act.nbytes, u.nbytes], extra_bytes=0, label="mul")
+        ag.drop(act, u)
+    y = linear(ag, c, prod, lins["down_proj"])
+    ag.drop(prod)
+    return y
+
+
+def residual_add(ag: Autograd, c: LayerContext, x: Tensor, y: Tensor, label: str) -> Tensor:
+    out = ag.new(x.nbytes, x.requires_grad or y.requires_grad, label)
+    ag.record_passthrough(out, [x, y], label=label)
+    return out
+
+
+def decoder_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool) -> Tensor:
+    """One decoder layer: pre-norm attention and MLP with residuals (Gemma 2/3 add post-norms)."""
+    m = c.model
+    gemma = m.model_type.startswith("gemma")
+    n = rms_norm(ag, c, x, m.hidden_size, "input_norm", gemma)
+    a = attention_block(ag, c, n, sliding)
+    ag.drop(n)
+    if m.norms_per_layer == 4:
+        a2 = rms_norm(ag, c, a, m.hidden_size, "post_attn_norm", gemma)
+        ag.drop(a)
+        a = a2
+    h = residual_add(ag, c, x, a, "residual1")
+    ag.drop(a)
+    n2 = rms_norm(ag, c, h, m.hidden_size, "pre_ffn_norm" if gemma else "post_attn_norm", gemma)
+    f = mlp_block(ag, c, n2)
+    ag.drop(n2)
+    if m.norms_per_layer == 4:
+        f2 = rms_norm(ag, c, f, m.hidden_size, "post_ffn_norm", gemma)
+        ag.drop(f)
+        f = f2
+    out = residual_add(ag, c, h, f, "residual2")
+    ag.drop(h, f)
+    return out

@@ -1,0 +1,139 @@
+"""TrainSetup: how a run trains. One dataclass shared by estimate, plan, train and profile.
+
+Its YAML form is `fitune train`'s config; the CLI flags of `fitune estimate` map one to one onto its fields
+(`--seq-len` -> `seq_len_tokens`, ...). Each default lives here and nowhere else; `validate()` lists every
+problem at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+METHODS = ("lora", "qlora", "full", "freeze")
+DTYPES = ("bf16", "fp16", "fp32")
+ATTNS = ("sdpa", "flash", "eager")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+LOSSES = ("hf", "chunked")
+STACKS = ("hf", "fitune")
+CHECKPOINTING = ("none", "full", "offload", "selective:K")
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """A training configuration. Units are in the field names; every field has a default."""
+
+    method: str = "lora"
+    """lora | qlora (NF4 + double quantisation, bf16 compute) | full | freeze (train the last `freeze_trainable_layers` layers, no adapters)."""
+    lora_rank: int = 8
+    """LoRA rank r (adapter matrices are r x in and out x r)."""
+    lora_alpha: int = 16
+    """LoRA alpha (scaling = alpha / r); no effect on memory."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Module names LoRA wraps, or ("all-linear",) for every Linear of the decoder layers."""
+    dtype: str = "bf16"
+    """Compute dtype of the model weights and activations: bf16 | fp16 | fp32."""
+    grad_checkpointing: str = "none"
+    """none | full (every layer recomputed) | offload (checkpoints in pinned CPU memory) | selective:K (K of L layers)."""
+    attn: str = "sdpa"
+    """Attention implementation: sdpa (PyTorch scaled_dot_product_attention) | flash (flash-attention 2) | eager."""
+    optimizer: str = "adamw"
+    """adamw (torch, fp32 states) | adamw8bit | paged_adamw8bit (bitsandbytes) | adafactor | sgd."""
+    batch_size: int = 2
+    """Sequences per micro-batch."""
+    seq_len_tokens: int = 2048
+    """Tokens per sequence."""
+    freeze_trainable_layers: int = 2
+    """With method freeze: how many of the last decoder layers train (LLaMA-Factory's default: 2)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (no effect on per-step activation memory)."""
+    loss: str = "hf"
+    """hf (full logits upcast to fp32, as transformers does) | chunked (logits never materialised whole)."""
+    stack: str = "hf"
+    """hf (a plain transformers + PEFT script, the recipe in fitune/profile/hf_recipe.py) | fitune (fitune's runner)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len_tokens
+
+    @property
+    def all_linear(self) -> bool:
+        return tuple(self.lora_targets) == (ALL_LINEAR,)
+
+    @property
+    def checkpointed_layers_mode(self) -> str:
+        """'none', 'full', 'offload' or 'selective' (without the K)."""
+        return self.grad_checkpointing.split(":", 1)[0]
+
+    def selective_k(self) -> int | None:
+        if self.grad_checkpointing.startswith("selective:"):
+            return int(self.grad_checkpointing.split(":", 1)[1])
+        return None
+
+    def replace(self, **changes) -> "TrainSetup":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["lora_targets"] = list(self.lora_targets)
+        return d
+
+    def validate(self, num_layers: int | None = None, hidden_size: int | None = None,
+                 linear_names: list[str] | None = None) -> "TrainSetup":
+        """Check every field; raise one ConfigError listing all problems. Model-dependent checks when sizes given."""
+        problems: list[str] = []
+
+        def one_of(flag: str, value, allowed):
+            if value not in allowed:
+                problems.append(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
+
+        one_of("--method", self.method, METHODS)
+        one_of("--dtype", self.dtype, DTYPES)
+        one_of("--attn", self.attn, ATTNS)
+        one_of("--optimizer", self.optimizer, OPTIMIZERS)
+        one_of("--loss", self.loss, LOSSES)
+        one_of("--stack", self.stack, STACKS)
+        for flag, value in (("--batch-size", self.batch_size), ("--seq-len", self.seq_len_tokens),
+                            ("--grad-accum", self.grad_accum)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{flag} must be a positive integer, got {value!r}")
+        mode = self.checkpointed_layers_mode
+        if mode not in ("none", "full", "offload", "selective"):
+            problems.append(f"--grad-checkpointing {self.grad_checkpointing!r} is not one of: {', '.join(CHECKPOINTING)}")
+        elif mode == "selective":
+            k_text = self.grad_checkpointing.split(":", 1)[1] if ":" in self.grad_checkpointing else ""
+            if not k_text.isdigit():
+                problems.append(f"--grad-checkpointing {self.grad_checkpointing!r}: write selective:K with K a whole number of layers, e.g. selective:16")
+            elif num_layers is not None and not 0 <= int(k_text) <= num_layers:
+                problems.append(f"--grad-checkpointing {self.grad_checkpointing!r}: K must be between 0 and the model's {num_layers} layers")
+        if self.method in ("lora", "qlora"):
+            if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                problems.append(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+            elif hidden_size is not None and self.lora_rank > hidden_size:
+                problems.append(f"--lora-rank {self.lora_rank} is above the model's hidden size {hidden_size}; a LoRA rank is a small number (8-128)")
+            if not self.lora_targets:
+                problems.append("--lora-targets is empty; name modules (q_proj,v_proj) or use all-linear")
+            elif linear_names is not None and not self.all_linear:
+                unknown = [t for t in self.lora_targets if t not in linear_names]
+                if unknown:
+                    problems.append(f"--lora-targets {','.join(unknown)}: not a Linear of this model; it has {', '.join(linear_names)} (or use all-linear)")
+        if self.method == "qlora" and self.dtype == "fp32":
+            problems.append("--method qlora computes in bf16/fp16; --dtype fp32 does not apply (use --dtype bf16)")
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj'); 'all-linear' -> ('all-linear',)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    items = [t.strip() for t in items if t.strip()]
+    if ALL_LINEAR in items:
+        return (ALL_LINEAR,)
+    return tuple(items)
+
+
+DEFAULT_SETUP = TrainSetup()

@@ -1,0 +1,276 @@
+"""ModelSpec: the shapes of a decoder-only LLM, read from a Hugging Face config.json or the built-in catalog.
+
+Only what memory depends on is kept. Parameter counts are derived from the shapes here and cross-checked in
+the tests against the real transformers module built on the `meta` device.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+
+from ..errors import UnknownModelError, UnsupportedArchitectureError
+
+#: model_type values whose decoder layer the analytic engine models (others: `--engine trace`).
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe",
+    "qwen2_moe",
+)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One `nn.Linear` of a decoder layer (a LoRA target candidate)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    count_per_layer: int = 1  # e.g. shared experts; always 1 for dense models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a causal LM, as memory sees it. All sizes are element counts, not bytes."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0
+    source: str = ""
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived shapes -------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output: heads x head_dim (differs from hidden_size for Gemma, Qwen3...)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one of the key / value projections: kv_heads x head_dim (grouped-query attention)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
+
+    def attention_linears(self) -> list[LinearSpec]:
+        h = self.hidden_size
+        if self.fused_qkv:
+            qkv = [LinearSpec("qkv_proj", h, self.q_dim + 2 * self.kv_dim, self.qkv_bias)]
+        else:
+            qkv = [
+                LinearSpec("q_proj", h, self.q_dim, self.qkv_bias),
+                LinearSpec("k_proj", h, self.kv_dim, self.qkv_bias),
+                LinearSpec("v_proj", h, self.kv_dim, self.qkv_bias),
+            ]
+        return qkv + [LinearSpec("o_proj", self.q_dim, h, self.o_bias)]
+
+    def dense_mlp_linears(self, intermediate: int | None = None) -> list[LinearSpec]:
+        h, i = self.hidden_size, intermediate or self.intermediate_size
+        if self.fused_gate_up:
+            up = [LinearSpec("gate_up_proj", h, 2 * i, self.mlp_bias)]
+        else:
+            up = [LinearSpec("gate_proj", h, i, self.mlp_bias), LinearSpec("up_proj", h, i, self.mlp_bias)]
+        return up + [LinearSpec("down_proj", i, h, self.mlp_bias)]
+
+    def linears(self, moe_layer: bool = False) -> list[LinearSpec]:
+        """The `nn.Linear` modules of one decoder layer, the ones PEFT's `all-linear` targets.
+
+        In transformers 5 the routed experts of Mixtral / Qwen-MoE are fused 3-D parameters, not `nn.Linear`,
+        so LoRA (`all-linear` or by name) never reaches them; a shared expert (Qwen2-MoE) is made of Linears.
+        """
+        out = self.attention_linears()
+        if not moe_layer:
+            return out + self.dense_mlp_linears()
+        if self.shared_expert_intermediate_size:
+            out += self.dense_mlp_linears(self.shared_expert_intermediate_size)
+            out.append(LinearSpec("shared_expert_gate", self.hidden_size, 1, False))
+        return out
+
+    def linear_names(self) -> list[str]:
+        names = [lin.name for lin in self.linears(moe_layer=False)]
+        if self.moe_layers:
+            names += [lin.name for lin in self.linears(moe_layer=True) if lin.name not in names]
+        return names
+
+
+def _get(cfg: dict, *keys, default=None):
+    for k in keys:
+        if k in cfg and cfg[k] is not None:
+            return cfg[k]
+    return default
+
+
+def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> ModelSpec:
+    """Build a ModelSpec from a config.json dict.
+
+    Raises:
+        UnsupportedArchitectureError: the model_type is not modelled (the message suggests `--engine trace`).
+        UnknownModelError: a key the architecture needs is missing (the message names it).
+    """
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    model_type = cfg.get("model_type")
+    label = name or source or "config.json"
+    if not model_type:
+        raise UnknownModelError(f"{label}: config.json has no 'model_type' key; is this a Hugging Face model config?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{label}: model_type {model_type!r} is not modelled by the analytic engine "
+            f"(it knows {', '.join(SUPPORTED_MODEL_TYPES)}); use `--engine trace`, which runs the real "
+            "transformers model on fake tensors."
+        )
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
+    is_moe = model_type in ("mixtral", "qwen3_moe", "qwen2_moe")
+    if "intermediate_size" not in cfg and not is_moe:
+        missing.append("intermediate_size")
+    if missing:
+        raise UnknownModelError(f"{label}: config.json lacks {', '.join(repr(k) for k in missing)}, needed to size the model")
+
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(_get(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_get(cfg, "head_dim", default=h // heads))
+    layers = int(cfg["num_hidden_layers"])
+    gemma_like = model_type in ("gemma", "gemma2", "gemma3_text")
+
+    # Sliding-window attention: which layers use it.
+    window = cfg.get("sliding_window")
+    sliding_layers = 0
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        sliding_layers = sum(1 for t in layer_types if t == "sliding_attention")
+    elif window and model_type == "gemma2":
+        sliding_layers = (layers + 1) // 2  # even layers slide (transformers Gemma2: layer_idx % 2 == 0)
+    elif window and model_type == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        sliding_layers = sum(1 for i in range(layers) if (i + 1) % pattern != 0)
+    elif window and model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if cfg.get("use_sliding_window"):
+            sliding_layers = max(0, layers - int(cfg.get("max_window_layers", layers)))
+    elif window and model_type in ("mistral", "mixtral", "phi3"):
+        sliding_layers = layers
+    if not sliding_layers:
+        window = None
+
+    num_experts = int(_get(cfg, "num_local_experts", "num_experts", default=0)) if is_moe else 0
+    moe_layers = 0
+    if num_experts:
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+    moe_i = int(_get(cfg, "moe_intermediate_size", default=cfg.get("intermediate_size", 0))) if num_experts else 0
+
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path", "") or "custom",
+        model_type=model_type,
+        hidden_size=h,
+        intermediate_size=int(cfg.get("intermediate_size", moe_i)),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(cfg["vocab_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_like)),
+        qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
+        o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
+        fused_qkv=model_type == "phi3",
+        fused_gate_up=model_type == "phi3",
+        sliding_window=int(window) if window else None,
+        sliding_window_layers=sliding_layers,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma_like else None,
+        num_experts=num_experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
+        moe_intermediate_size=moe_i,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        moe_layers=moe_layers,
+        source=source,
+        hf_config=dict(cfg),
+    )
+
+
+# ---- the catalog --------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def model_catalog() -> dict[str, dict]:
+    """name -> {"hf_id", "source", "config", ...} from fitune/specs/data/models.json (plain data, with sources)."""
+    data_dir = resources.files("fitune.specs") / "data"
+    for fname in ("models.json", "models_seed.json"):
+        f = data_dir / fname
+        if f.is_file():
+            return json.loads(f.read_text())
+    return {}
+
+
+def catalog_model_names() -> list[str]:
+    return sorted(model_catalog())
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """Resolve MODEL: a catalog name, a config.json path, or a model folder holding config.json."""
+    catalog = model_catalog()
+    key = model.strip().lower()
+    if key in catalog:
+        entry = catalog[key]
+        return model_spec_from_hf_config(entry["config"], name=key, source=entry.get("source", ""))
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise UnknownModelError(f"{model} is a folder without a config.json; point MODEL at a Hugging Face model folder")
+        return _spec_from_file(path, name=os.path.basename(os.path.normpath(model)))
+    if os.path.isfile(model):
+        return _spec_from_file(model, name=os.path.basename(os.path.dirname(os.path.abspath(model))))
+    close = difflib.get_close_matches(key, list(catalog), n=4, cutoff=0.5)
+    hint = f"closest catalog names: {', '.join(close)}" if close else f"known: {', '.join(sorted(catalog))}"
+    raise UnknownModelError(
+        f"{model!r} is not a catalog model, a config.json or a model folder; {hint}. "
+        "`fitune estimate --list-models` prints the catalog."
+    )
+
+
+def _spec_from_file(path: str, name: str) -> ModelSpec:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnknownModelError(f"cannot read {path} as a config.json: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise UnknownModelError(f"{path} is not a JSON object; expected a Hugging Face config.json")
+    return model_spec_from_hf_config(cfg, name=name, source=path)

@@ -1,0 +1,37 @@
+"""Byte units. fitune computes in integer bytes and converts only for display, always as GiB (1024**3)."""
+
+from __future__ import annotations
+
+import re
+
+GiB = 1024**3
+MiB = 1024**2
+
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|MiB|GB|MB|G|M)\s*$", re.IGNORECASE)
+
+
+def parse_memory_bytes(text: str) -> int | None:
+    """Parse "24GiB", "23.4GiB", "24576MiB" (1024-based) into bytes; None when `text` is not a memory amount.
+
+    "GB"/"MB" are rejected on purpose by returning None from `_MEMORY_RE`'s strict units below: fitune's
+    budgets are 1024-based and a silent 7 % difference is worse than an error.
+    """
+    m = _MEMORY_RE.match(text)
+    if not m:
+        return None
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit in ("gib", "g"):
+        return int(round(value * GiB))
+    if unit in ("mib", "m"):
+        return int(round(value * MiB))
+    return None  # GB / MB: ambiguous, the caller explains
+
+
+def is_decimal_unit(text: str) -> bool:
+    m = _MEMORY_RE.match(text)
+    return bool(m) and m.group(2).lower() in ("gb", "mb")
+
+
+def gib(n_bytes: int | float) -> str:
+    """Format bytes as GiB with two decimals, e.g. '21.99 GiB'."""
+    return f"{n_bytes / GiB:.2f} GiB"
