@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .tape import ACTIVATIONS, BACKWARD, GRADIENTS, TRANSIENTS, Tape
+from .tape import ACTIVATIONS, BACKWARD, GRADIENTS, LOGITS, TRANSIENTS, Tape
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Tensor:
     nbytes: int
     requires_grad: bool
     label: str = ""
+    category: str = TRANSIENTS
 
 
 @dataclass
@@ -53,10 +54,12 @@ class Autograd:
     _grads: dict[int, Tensor] = field(default_factory=dict)
     param_grads: list[int] = field(default_factory=list)
     _grad_refs: dict[int, int] = field(default_factory=dict)
+    keep_saved: bool = True
+    """False inside a checkpointed forward: the pack hook drops what autograd would save."""
 
     # ---- forward side ---------------------------------------------------------------------------------
     def new(self, nbytes: int, requires_grad: bool, label: str, category: str = TRANSIENTS) -> Tensor:
-        return Tensor(self.tape.alloc(nbytes, category, label), int(nbytes), requires_grad, label)
+        return Tensor(self.tape.alloc(nbytes, category, label), int(nbytes), requires_grad, label, category)
 
     def drop(self, *tensors: Tensor | None) -> None:
         """Python drops its reference: free unless autograd saved the tensor."""
@@ -69,6 +72,8 @@ class Autograd:
         """Record the backward of an op whose output is `output` (when anything requires grad)."""
         if not any(t.requires_grad for t in inputs) and not param_grad_bytes:
             return
+        if not self.keep_saved:
+            saved = []
         for t in saved:
             self._saved_refs[t.tid] = self._saved_refs.get(t.tid, 0) + 1
             if self.tape.category_of(t.tid) == TRANSIENTS:
@@ -85,6 +90,8 @@ class Autograd:
         """Keep tensors alive until backward reaches this point (e.g. checkpoint inputs)."""
         for t in saved:
             self._saved_refs[t.tid] = self._saved_refs.get(t.tid, 0) + 1
+            if self.tape.category_of(t.tid) == TRANSIENTS:
+                self.tape.retag(t.tid, ACTIVATIONS)
         self.nodes.append(_Node(None, [], saved, [], label=label))
 
     def custom(self, fn: Callable[["Autograd", Tensor | None], None], output: Tensor | None, label: str = "") -> None:
@@ -93,7 +100,7 @@ class Autograd:
 
     # ---- backward side --------------------------------------------------------------------------------
     def seed_grad(self, t: Tensor, nbytes: int, label: str) -> None:
-        g = self.new(nbytes, True, label)
+        g = self.new(nbytes, True, label, t.category)
         self._grads[t.tid] = g
         self._grad_refs[g.tid] = 1
 
@@ -115,7 +122,7 @@ class Autograd:
             self._grads[t.tid] = share
             self._grad_refs[share.tid] = self._grad_refs.get(share.tid, 1) + 1
             return
-        g = self.new(nbytes, True, label)
+        g = self.new(nbytes, True, label, LOGITS if t.category == LOGITS else TRANSIENTS)
         if prev is None:
             self._grads[t.tid] = g
             self._grad_refs[g.tid] = 1

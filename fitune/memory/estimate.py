@@ -205,16 +205,10 @@ def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes:
 
 
 def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, int]) -> list[int]:
-    """Split the resident bytes into the allocations model loading makes (one per parameter tensor)."""
-    blocks: list[int] = []
-    n_tensors = max(1, model.num_layers * (len(model.linears()) + model.norms_per_layer) + 3)
-    for key in (WEIGHTS, ADAPTERS, OPTIMIZER):
-        total = resident.get(key, 0)
-        if total:
-            per = max(1, total // n_tensors)
-            blocks += [per] * (total // per)
-    blocks += [resident.get(WORKSPACES, 0) // 2] * 2
-    return blocks
+    """The resident allocations. They are never freed, so only their count of segments matters, not their
+    split into parameter tensors: one block per category (two workspaces)."""
+    blocks = [resident[k] for k in (WEIGHTS, ADAPTERS, OPTIMIZER) if resident.get(k, 0)]
+    return blocks + [resident.get(WORKSPACES, 0) // 2] * 2
 
 
 def _sliding_layers(model: ModelSpec) -> set[int]:
@@ -239,10 +233,8 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
     come back), then differentiated; PyTorch stops the recomputation once every saved tensor is back, so the
     layer's final output is not rebuilt (here: freed at once).
     """
-    sub = Autograd(ag.tape)
+    sub = Autograd(ag.tape, keep_saved=False)
     y = decoder_layer(sub, c, x, sliding)
-    for node in sub.nodes:
-        sub.release_saved([t for t in node.saved if t.tid not in (x.tid, y.tid)])
     offloaded = 0
     if offload:
         offloaded = x.nbytes

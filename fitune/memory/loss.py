@@ -34,13 +34,13 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
     if model.final_logit_softcapping:
         div = ag.new(w * V * tokens, True, "logits/cap", LOGITS)
         ag.record_passthrough(div, [logits])
+        ag.drop(logits)  # `logits = logits / cap` rebinds: the lm_head output goes
         th = ag.new(w * V * tokens, True, "tanh(logits)", LOGITS)
         ag.record(th, [div], [th], [div.nbytes], label="softcap-tanh")
         ag.drop(div)
         capped = ag.new(w * V * tokens, True, "logits*cap", LOGITS)
         ag.record_passthrough(capped, [th])
         ag.drop(th)
-        ag.drop(logits)
         keep = logits = capped
     if w != FP32:
         l32 = ag.new(FP32 * V * tokens, True, "logits.float()", LOGITS)

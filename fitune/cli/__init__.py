@@ -1,0 +1,1 @@
+"""Command-line interface: `fitune.cli.main.main` is the console script."""
