@@ -137,10 +137,13 @@ def compact_snapshot(snapshot: dict) -> dict:
         w = _where(e.get("frames", []))
         idx = wheres.setdefault(w, len(wheres))
         events.append([action, e["addr"], e["size"], idx])
-    return {"where": list(wheres), "events": events}
+    segments = [[seg["total_size"], [[b["size"], b["state"]] for b in seg["blocks"]]]
+                for seg in snapshot.get("segments", []) if seg.get("device", 0) == 0]
+    return {"where": list(wheres), "events": events, "segments_at_end": segments}
 
 
-def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int) -> None:
+def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
+              only: set[int] | None = None, snapshot_all: bool = False) -> None:
     import torch
 
     model_name, method, cases = GROUPS[group]
@@ -157,6 +160,9 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int) -
     print(f"[{group}] built in {time.perf_counter() - t0:.1f}s, {base_allocated / 2**30:.2f} GiB", flush=True)
     vocab = cfg["vocab_size"]
     for i, (targets, rank, batch, seq, ckpt, attn, snap) in enumerate(cases):
+        if only is not None and i not in only:
+            continue
+        snap = snap or snapshot_all
         record = {
             "group": group, "model": model_name, "method": method, "case": i,
             "lora_targets": targets if isinstance(targets, str) else ",".join(targets), "lora_rank": rank,
@@ -182,9 +188,9 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int) -
             record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
             record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
             if snap and snapshot_dir:
-                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps - 1, count_saved_on_last=False)
+                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=1, count_saved_on_last=False)
                 torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-                peaks += hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=1)
+                peaks += hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps - 1)
                 snapshot = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
                 path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
@@ -261,13 +267,16 @@ def main() -> int:
     p.add_argument("--snapshot-dir")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--list", action="store_true")
+    p.add_argument("--cases", help="comma-separated case indices of the group(s) to run (default: all)")
+    p.add_argument("--snapshot-all", action="store_true", help="write an allocation trace for every case run")
     args = p.parse_args()
     if args.list:
         for g, (_, _, cases) in GROUPS.items():
             print(g, len(cases))
         return 0
     for g in args.group or list(GROUPS):
-        run_group(g, args.out, args.snapshot_dir, args.steps)
+        only = {int(c) for c in args.cases.split(",")} if args.cases else None
+        run_group(g, args.out, args.snapshot_dir, args.steps, only, args.snapshot_all)
     return 0
 
 
