@@ -136,6 +136,7 @@ def estimate_to_json(est) -> dict:
         out["gpu"] = {"name": est.gpu.name, "total_bytes": est.gpu.total_bytes,
                       "allocator_budget_bytes": est.gpu.allocator_budget_bytes}
         out["fits"] = est.fits
+        out["tight"] = est.tight
         out["headroom_bytes"] = est.headroom_bytes
     return out
 
@@ -181,6 +182,8 @@ def format_estimate(est, suggestions=()) -> str:
         g = est.gpu
         top = ", ".join(f"{LABELS[k]} {gib(v)}" for k, v in est.largest_terms(3))
         verdict = "FITS" if est.fits else "DOES NOT FIT"
+        if est.tight:
+            verdict += " (tight: within 5 % of the budget, where run-to-run fragmentation decides)"
         lines.append("")
         lines.append(f"  {g.name}: {gib(g.allocator_budget_bytes)} for PyTorch's allocator "
                      f"(of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")

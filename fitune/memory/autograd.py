@@ -39,7 +39,7 @@ class _Node:
     inputs: list[Tensor]
     saved: list[Tensor]
     grad_bytes: list[int]  # bytes of each input's gradient (same order as inputs)
-    extra_bytes: int = 0  # transient workspace of the backward kernel itself
+    extra_bytes: int | tuple[int, ...] = 0  # transient workspace(s) of the backward kernel itself
     param_grad_bytes: int = 0  # gradient of a trainable parameter (stays until zero_grad)
     label: str = ""
     custom: Callable[["Autograd", Tensor | None], None] | None = None
@@ -68,7 +68,7 @@ class Autograd:
                 self.tape.free(t.tid)
 
     def record(self, output: Tensor | None, inputs: list[Tensor], saved: list[Tensor], grad_bytes: list[int] | None = None,
-               extra_bytes: int = 0, param_grad_bytes: int = 0, label: str = "") -> None:
+               extra_bytes: int | tuple[int, ...] = 0, param_grad_bytes: int = 0, label: str = "") -> None:
         """Record the backward of an op whose output is `output` (when anything requires grad)."""
         if not any(t.requires_grad for t in inputs) and not param_grad_bytes:
             return
@@ -152,13 +152,14 @@ class Autograd:
                         self.give_grad(t, g_out.nbytes, f"grad:{t.label}", share=g_out)
                 self.drop_grad(g_out)
                 continue
-            extra = self.tape.alloc(node.extra_bytes, TRANSIENTS, node.label + ":bwd") if node.extra_bytes else None
+            sizes = node.extra_bytes if isinstance(node.extra_bytes, tuple) else (node.extra_bytes,)
+            extra = [self.tape.alloc(n, TRANSIENTS, node.label + ":bwd") for n in sizes if n]
             if node.param_grad_bytes:
                 self.param_grads.append(self.tape.alloc(node.param_grad_bytes, GRADIENTS, node.label + ":param-grad"))
             for t, gb in zip(node.inputs, node.grad_bytes):
                 if t.requires_grad and gb:
                     self.give_grad(t, gb, f"grad:{t.label}")
-            self.tape.free(extra)
+            self.tape.free(*extra)
             self.drop_grad(g_out)
             self.release_saved(node.saved)
 

@@ -64,6 +64,13 @@ class MemoryEstimate:
     def headroom_bytes(self) -> int | None:
         return None if self.gpu is None else self.gpu.allocator_budget_bytes - self.peak_reserved_bytes
 
+    @property
+    def tight(self) -> bool | None:
+        """Within 5 % of the budget either way: the reserved peak varies by a few percent between runs."""
+        if self.gpu is None:
+            return None
+        return abs(self.headroom_bytes) < 0.05 * self.gpu.allocator_budget_bytes
+
     def largest_terms(self, n: int = 3) -> list[tuple[str, int]]:
         items = [(k, v) for k, v in self.breakdown.items() if v > 0]
         return sorted(items, key=lambda kv: -kv[1])[:n]
@@ -205,10 +212,46 @@ def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes:
 
 
 def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, int]) -> list[int]:
-    """The resident allocations. They are never freed, so only their count of segments matters, not their
-    split into parameter tensors: one block per category (two workspaces)."""
-    blocks = [resident[k] for k in (WEIGHTS, ADAPTERS, OPTIMIZER) if resident.get(k, 0)]
-    return blocks + [resident.get(WORKSPACES, 0) // 2] * 2
+    """The resident allocations in the order model loading makes them: one per parameter tensor.
+
+    They are never freed, but their rounding into segments (2 MiB small-pool segments, shared 20 MiB segments
+    for tensors of 1-10 MiB) is part of the reserved memory. QLoRA and MoE weights are taken as one block each
+    per layer (their packing does not follow the dense shapes).
+    """
+    w = weights.DTYPE_BYTES[setup.dtype] if setup.method != "qlora" else 2
+    h = model.hidden_size
+    blocks: list[int] = [model.vocab_size * h * w]
+    per_layer: list[int] = []
+    if setup.method == "qlora" or model.moe_layers:
+        per_layer_bytes = (resident.get(WEIGHTS, 0) - model.vocab_size * h * w * (1 if model.tie_word_embeddings else 2)) // model.num_layers
+        per_layer = [max(per_layer_bytes, 0)]
+    else:
+        for lin in model.linears(False):
+            per_layer.append(lin.in_features * lin.out_features * w)
+            if lin.bias:
+                per_layer.append(lin.out_features * w)
+        per_layer += [h * w] * model.norms_per_layer + ([model.head_dim * w] * 2 if model.qk_norm else [])
+    for _ in range(model.num_layers):
+        blocks += per_layer
+    blocks.append(h * w)  # final norm
+    if not model.tie_word_embeddings:
+        blocks.append(model.vocab_size * h * w)
+    if resident.get(ADAPTERS, 0) and setup.method in ("lora", "qlora"):
+        lora = []
+        targets = adapters.lora_targets(model, setup)
+        for lin in model.linears(False):
+            if lin.name in targets:
+                lora += [4 * setup.lora_rank * lin.in_features, 4 * setup.lora_rank * lin.out_features]
+        for _ in range(model.num_layers):
+            blocks += lora
+        if resident.get(OPTIMIZER, 0):
+            ratio = resident[OPTIMIZER] / max(1, resident[ADAPTERS])
+            for _ in range(model.num_layers):
+                blocks += [int(b * ratio / 2) for b in lora for _ in range(2)]
+    elif resident.get(OPTIMIZER, 0):
+        blocks.append(resident[OPTIMIZER])
+    blocks += [resident.get(WORKSPACES, 0) // 2] * 2
+    return blocks
 
 
 def _sliding_layers(model: ModelSpec) -> set[int]:

@@ -90,14 +90,14 @@ def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Te
         ag.record(b16, [b], [], [FP32 * n_out * T])
         ag.drop(b)
         scaled = ag.new(w * n_out * T, True, f"{lin.name}:scaled")
-        ag.record_passthrough(scaled, [b16])
+        ag.record(scaled, [b16], [], [b16.nbytes])  # mul/div by a constant: the gradient is a new tensor
         ag.drop(b16)
         out = ag.new(w * n_out * T, True, f"{lin.name}:out")
         ag.record_passthrough(out, [base, scaled])
         ag.drop(base, scaled)
         return out
     scaled = ag.new(FP32 * n_out * T, True, f"{lin.name}:scaled")
-    ag.record_passthrough(scaled, [b])
+    ag.record(scaled, [b], [], [b.nbytes])  # mul/div by a constant: the gradient is a new tensor
     ag.drop(b)
     summed = ag.new(max(FP32, w) * n_out * T, True, f"{lin.name}:sum")
     ag.record(summed, [base, scaled], [], [w * n_out * T, 0])
@@ -138,7 +138,7 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     ag.drop(rs)
     if gemma:
         y2 = ag.new(FP32 * x.nbytes // w, y32.requires_grad, f"{label}:scaled")
-        ag.record_passthrough(y2, [y32])
+        ag.record(y2, [y32], [], [y32.nbytes])  # mul/div by a constant: the gradient is a new tensor
         ag.drop(y32)
         y32 = y2
     out = ag.new(x.nbytes, y32.requires_grad, f"{label}:out")
@@ -146,7 +146,7 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     ag.drop(y32)
     if not gemma:  # llama: `self.weight * hidden_states.to(input_dtype)`: one more activation-sized tensor
         out2 = ag.new(x.nbytes, out.requires_grad, f"{label}:weighted")
-        ag.record_passthrough(out2, [out])
+        ag.record(out2, [out], [], [out.nbytes])  # mul/div by a constant: the gradient is a new tensor
         ag.drop(out)
         out = out2
     return out
@@ -209,23 +209,24 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     scores = ag.new(w * n_scores, True, "attn:scores")
     ag.record(scores, [q, k_rep], [q, k_rep], [q.nbytes, k_rep.nbytes], label="qk")
     scaled = ag.new(w * n_scores, True, "attn:scaled")
-    ag.record_passthrough(scaled, [scores])
+    ag.record(scaled, [scores], [], [scores.nbytes])  # mul/div by a constant: the gradient is a new tensor
     ag.drop(scores)
     if m.attn_logit_softcapping:
         div = ag.new(w * n_scores, True, "attn:softcap/")
-        ag.record_passthrough(div, [scaled])
+        ag.record(div, [scaled], [], [scaled.nbytes])  # mul/div by a constant: the gradient is a new tensor
         ag.drop(scaled)
         th = ag.new(w * n_scores, True, "attn:tanh")
         ag.record(th, [div], [th], [w * n_scores], label="softcap-tanh")
         ag.drop(div)
         scaled = ag.new(w * n_scores, True, "attn:softcap*")
-        ag.record_passthrough(scaled, [th])
+        ag.record(scaled, [th], [], [th.nbytes])  # mul/div by a constant: the gradient is a new tensor
         ag.drop(th)
     masked_scores = ag.new(w * n_scores, True, "attn:masked")
     ag.record_passthrough(masked_scores, [scaled])
     ag.drop(scaled)
     p32 = ag.new(FP32 * n_scores, True, "attn:softmax-fp32")
-    ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=FP32 * n_scores, label="softmax")
+    # _softmax_backward_data computes the fp32 gradient, then casts it to the input dtype: two fp32 temporaries
+    ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=(FP32 * n_scores, FP32 * n_scores), label="softmax")
     ag.drop(masked_scores)
     p = ag.new(w * n_scores, True, "attn:probs")
     ag.record(p, [p32], [], [FP32 * n_scores], label="probs-cast")

@@ -33,13 +33,13 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
     keep = logits  # CausalLMOutputWithPast(logits=...) keeps the model-dtype logits until `.loss` is read
     if model.final_logit_softcapping:
         div = ag.new(w * V * tokens, True, "logits/cap", LOGITS)
-        ag.record_passthrough(div, [logits])
+        ag.record(div, [logits], [], [logits.nbytes])  # DivBackward allocates grad / cap
         ag.drop(logits)  # `logits = logits / cap` rebinds: the lm_head output goes
         th = ag.new(w * V * tokens, True, "tanh(logits)", LOGITS)
         ag.record(th, [div], [th], [div.nbytes], label="softcap-tanh")
         ag.drop(div)
         capped = ag.new(w * V * tokens, True, "logits*cap", LOGITS)
-        ag.record_passthrough(capped, [th])
+        ag.record(capped, [th], [], [th.nbytes])  # MulBackward allocates grad * cap
         ag.drop(th)
         keep = logits = capped
     if w != FP32:

@@ -21,18 +21,18 @@ class Suggestion:
 def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
     out = []
     if s.grad_checkpointing == "none":
-        out.append(("--grad-checkpointing full", "recomputes each layer in backward (~25-35 % slower)",
+        out.append(("--grad-checkpointing full", "recomputes each layer in backward: slower steps",
                     s.replace(grad_checkpointing="full")))
     if s.batch_size > 1:
         b = max(1, s.batch_size // 2)
         out.append((f"--batch-size {b} (and {s.grad_accum * s.batch_size // b}x gradient accumulation)",
                     "same effective batch, smaller steps", s.replace(batch_size=b, grad_accum=s.grad_accum * s.batch_size // b)))
     if s.method == "lora":
-        out.append(("--method qlora", "4-bit NF4 base weights (slower matmuls, small quality cost)", s.replace(method="qlora")))
+        out.append(("--method qlora", "4-bit NF4 base weights: slower matmuls, a small quality cost", s.replace(method="qlora")))
     if s.method in ("full", "freeze") and s.optimizer == "adamw":
         out.append(("--optimizer adamw8bit", "8-bit optimizer states", s.replace(optimizer="adamw8bit")))
     if s.seq_len_tokens >= 512:
-        out.append((f"--seq-len {s.seq_len_tokens // 2}", "shorter sequences (truncates long examples)",
+        out.append((f"--seq-len {s.seq_len_tokens // 2}", "shorter sequences: long examples are truncated",
                     s.replace(seq_len_tokens=s.seq_len_tokens // 2)))
     return out
 

@@ -20,7 +20,7 @@ from ..units import MiB, is_decimal_unit, parse_memory_bytes
 #: Memory outside PyTorch's allocator once CUDA, cuBLAS and the first kernels are up, on a Hopper GPU
 #: (measured on an H200, torch 2.11 + CUDA 13: total 150,109,880,320 B; free 149,356,150,784 B and
 #: reserved 35,651,584 B after `torch.zeros(1)` and a first bf16 matmul -> 718,077,952 B outside the
-#: allocator. bench/results/hf_recipe/log.txt, first JSON line).
+#: allocator. bench/results/hf_recipe/cuda_context.json).
 HOPPER_CONTEXT_BYTES = 718_077_952
 
 #: The same on a 24 GB consumer card: a 24,564 MiB RTX 4090 leaves about 23.4 GiB to the allocator
