@@ -137,3 +137,53 @@ def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 DEFAULT_SETUP = TrainSetup()
+
+
+#: `fitune train` config keys that map onto TrainSetup fields (YAML name -> field).
+_YAML_FIELDS = {
+    "method": "method", "dtype": "dtype", "grad_checkpointing": "grad_checkpointing", "attn": "attn",
+    "optimizer": "optimizer", "batch_size": "batch_size", "seq_len": "seq_len_tokens", "grad_accum": "grad_accum",
+    "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers",
+}
+
+
+def setup_from_config(doc: dict, source: str = "config") -> tuple[str | None, TrainSetup]:
+    """(model, TrainSetup) from a `fitune train` config mapping; unknown TrainSetup keys are left to the caller."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys (model:, method:, lora:, seq_len: ...)")
+    kwargs = {field_name: doc[key] for key, field_name in _YAML_FIELDS.items() if key in doc}
+    lora = doc.get("lora") or {}
+    if not isinstance(lora, dict):
+        raise ConfigError(f"{source}: `lora` must be a mapping like {{rank: 8, alpha: 16, targets: [q_proj, v_proj]}}")
+    if "rank" in lora:
+        kwargs["lora_rank"] = lora["rank"]
+    if "alpha" in lora:
+        kwargs["lora_alpha"] = lora["alpha"]
+    if "targets" in lora:
+        kwargs["lora_targets"] = parse_targets(lora["targets"])
+    return doc.get("model"), TrainSetup(**kwargs)
+
+
+def load_config_file(path: str) -> dict:
+    """Read a YAML (or JSON) config file into a mapping, with a clear error for a missing file or bad syntax."""
+    import os
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        import json
+
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ConfigError("reading a YAML config needs PyYAML: pip install pyyaml") from exc
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc

@@ -35,3 +35,11 @@ def is_decimal_unit(text: str) -> bool:
 def gib(n_bytes: int | float) -> str:
     """Format bytes as GiB with two decimals, e.g. '21.99 GiB'."""
     return f"{n_bytes / GiB:.2f} GiB"
+
+
+def human_bytes(n_bytes: int | float, scale: int | float | None = None) -> str:
+    """GiB for GPU-sized numbers; MiB when `scale` (the largest number shown alongside) is under 1 GiB."""
+    ref = abs(scale if scale is not None else n_bytes)
+    if ref >= GiB:
+        return f"{n_bytes / GiB:.2f} GiB"
+    return f"{n_bytes / MiB:.2f} MiB"

@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import estimate
+from . import estimate, profile
 
-SUBCOMMANDS = (estimate,)
+SUBCOMMANDS = (estimate, profile)
 
 
 def build_parser() -> argparse.ArgumentParser:

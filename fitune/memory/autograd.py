@@ -56,6 +56,8 @@ class Autograd:
     _grad_refs: dict[int, int] = field(default_factory=dict)
     keep_saved: bool = True
     """False inside a checkpointed forward: the pack hook drops what autograd would save."""
+    retag_saved: bool = True
+    """False in a checkpointed layer's recomputation: what it saves lives only through that layer's backward."""
 
     # ---- forward side ---------------------------------------------------------------------------------
     def new(self, nbytes: int, requires_grad: bool, label: str, category: str = TRANSIENTS) -> Tensor:
@@ -76,7 +78,7 @@ class Autograd:
             saved = []
         for t in saved:
             self._saved_refs[t.tid] = self._saved_refs.get(t.tid, 0) + 1
-            if self.tape.category_of(t.tid) == TRANSIENTS:
+            if self.retag_saved and self.tape.category_of(t.tid) == TRANSIENTS:
                 self.tape.retag(t.tid, ACTIVATIONS)
         gb = grad_bytes if grad_bytes is not None else [t.nbytes for t in inputs]
         self.nodes.append(_Node(output, inputs, saved, gb, extra_bytes, param_grad_bytes, label))

@@ -76,8 +76,11 @@ class MemoryEstimate:
         return sorted(items, key=lambda kv: -kv[1])[:n]
 
 
-def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None) -> MemoryEstimate:
-    """Estimate peak GPU memory of one training step of `setup` on `model` (optionally judged against `gpu`)."""
+def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, device: str = "cuda") -> MemoryEstimate:
+    """Estimate peak memory of one training step of `setup` on `model` (optionally judged against `gpu`).
+
+    `device="cpu"` models a CPU run (no cuBLAS workspaces), for comparisons with `fitune profile --device cpu`.
+    """
     setup.validate(num_layers=model.num_layers, hidden_size=model.hidden_size, linear_names=model.linear_names())
     notes: list[str] = []
     w = weights.DTYPE_BYTES[setup.dtype]
@@ -98,7 +101,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None) ->
     else:
         state_bytes_allocator = state_bytes
     cc = gpu.compute_capability if gpu is not None and gpu.compute_capability else "9.0"
-    workspace = overheads.cublas_workspaces_bytes(cc)
+    workspace = overheads.cublas_workspaces_bytes(cc) if device == "cuda" else 0
     resident = {
         WEIGHTS: weight_bytes,
         ADAPTERS: adapter_bytes,
@@ -291,7 +294,7 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
         restored = x
         if offload:  # the input comes back from pinned host memory before the recomputation
             restored = Tensor(main.tape.alloc(x.nbytes, ACTIVATIONS, "checkpoint input (from host)"), x.nbytes, True, "x")
-        sub2 = Autograd(main.tape)
+        sub2 = Autograd(main.tape, retag_saved=False)  # recomputed activations count as transients
         y2 = decoder_layer(sub2, c, restored, sliding)
         sub2._grads[y2.tid] = g
         sub2._grad_refs[g.tid] = 1

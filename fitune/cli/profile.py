@@ -1,0 +1,134 @@
+"""`fitune profile`: measure a real run's memory and speed, attribute the peak, explain an OOM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import ConfigError
+from ..units import human_bytes
+from .estimate import LABELS, add_setup_arguments, setup_from_args
+
+DESCRIPTION = """\
+Run real training steps (the HF recipe: transformers + PEFT, as users write it) and measure them: peak allocated
+and reserved memory per phase, the peak split into the estimator's categories next to `fitune estimate`'s figure
+for each, tokens/s and MFU, allocator retries and fragmentation. An out-of-memory error becomes a post-mortem
+(what filled the card, by category and source line, and the changes that would fit) and exit status 1.
+
+A catalog model or config.json gets random weights (memory does not depend on their values); a model folder
+with weights loads them. `--cap rtx4090` limits PyTorch's allocator to that card's budget on a bigger GPU.
+
+examples:
+  fitune profile llama-3.1-8b --seq-len 2048 --batch-size 2 --grad-checkpointing full --cap rtx4090
+  fitune profile ./tiny/config.json --device cpu --seq-len 128 --steps 2 --json
+  fitune profile --config train.yaml --plot memory.png
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure a real training run's memory and speed",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_arguments(p)
+    p.add_argument("--config", metavar="FILE.yaml", help="a fitune train config (model, method, lora, seq_len, ...); "
+                   "flags given explicitly are ignored in favour of the file's keys")
+    p.add_argument("--steps", type=int, default=3, help="training steps to measure (default 3)")
+    p.add_argument("--cap", metavar="NGiB|GPU", help="limit PyTorch's allocator to this budget (e.g. rtx4090, 23.4GiB)")
+    p.add_argument("--gpu", metavar="NAME", help="the GPU MFU is computed against (default: --cap, else h200)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default) or cpu (tiny models; tensor-level accounting instead of CUDA counters)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys in the README)")
+    p.add_argument("--plot", metavar="FILE.png", help="write memory over time, phases shaded, the peak marked")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    from ..specs.gpu import resolve_gpu
+    from ..specs.model import load_model_spec
+
+    model_name = args.model
+    setup = setup_from_args(args)
+    if args.config:
+        from ..setup import load_config_file, setup_from_config
+
+        model_name, setup = setup_from_config(load_config_file(args.config), args.config)
+        model_name = args.model or model_name
+    if not model_name:
+        raise ConfigError("MODEL is missing: name a catalog model, a config.json or a model folder (or --config)")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be a positive integer, got {args.steps}")
+    spec = load_model_spec(model_name)
+    setup.validate(num_layers=spec.num_layers, hidden_size=spec.hidden_size, linear_names=spec.linear_names())
+    cap = resolve_gpu(args.cap) if args.cap else None
+    gpu = resolve_gpu(args.gpu) if args.gpu else (cap if cap and cap.peak_bf16_tflops else
+                                                  (resolve_gpu("h200") if args.device == "cuda" else None))
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("fitune profile needs torch, transformers and peft (pip install 'fitune[torch]')") from exc
+    from ..profile.run import profile
+
+    def progress(i, n):
+        if not args.json:
+            print(f"\r  step {i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+
+    result = profile(spec, setup, source=model_name, steps=args.steps, device=args.device, cap=cap, gpu=gpu,
+                     progress=progress)
+    if args.plot and result.timeline:
+        from ..profile.plot import plot_timeline
+
+        plot_timeline(result, args.plot)
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_result(result))
+    return 1 if result.oom else 0
+
+
+def format_result(r) -> str:
+    from ..profile.oom import OomReport, format_report
+
+    scale = max(r.peak_allocated_bytes, r.estimate_peak_allocated_bytes)
+
+    def gib(n):
+        return human_bytes(n, scale)
+
+    s = r.setup
+    lines = [f"{r.model}: {s.method} r{s.lora_rank}, {s.batch_size} x {s.seq_len_tokens} tokens, checkpointing "
+             f"{s.grad_checkpointing}, attention {s.attn}, {r.steps} step(s) on {r.device}"
+             + (f", allocator capped at {gib(r.cap_bytes)}" if r.cap_bytes else "")]
+    if r.oom:
+        o = r.oom
+        rep = OomReport(message=o["message"], requested_bytes=o["requested_bytes"], live_bytes=o["live_bytes"],
+                        live_by_category=o["live_by_category"],
+                        top_sources=[(x["source"], x["bytes"]) for x in o["top_sources"]],
+                        reserved_bytes=o["reserved_bytes"], budget_bytes=o["budget_bytes"], phase=o["phase"],
+                        estimate_peak_allocated_bytes=o["estimate_peak_allocated_bytes"],
+                        estimate_peak_reserved_bytes=o["estimate_peak_reserved_bytes"],
+                        estimate_breakdown=o["estimate_breakdown"],
+                        suggestions=[(x["change"], x["peak_reserved_bytes"]) for x in o["suggestions"]])
+        lines.append(format_report(rep))
+        return "\n".join(lines)
+    lines.append("")
+    lines.append(f"  {'at the measured peak (' + r.peak_phase + ')':34s} {'measured':>11s} {'estimated':>11s} {'difference':>11s}")
+    for key, label in LABELS.items():
+        if key == "allocator_overhead":
+            continue
+        m, e = r.breakdown.get(key, 0), r.estimate_breakdown.get(key, 0)
+        lines.append(f"    {label:32s} {gib(m):>11s} {gib(e):>11s} {gib(m - e):>11s}")
+    lines.append(f"    {'peak allocated':32s} {gib(r.peak_allocated_bytes):>11s} {gib(r.estimate_peak_allocated_bytes):>11s} "
+                 f"{gib(r.peak_allocated_bytes - r.estimate_peak_allocated_bytes):>11s}")
+    if r.peak_reserved_bytes is not None:
+        lines.append(f"    {'peak reserved':32s} {gib(r.peak_reserved_bytes):>11s} {gib(r.estimate_peak_reserved_bytes):>11s} "
+                     f"{gib(r.peak_reserved_bytes - r.estimate_peak_reserved_bytes):>11s}")
+    lines.append("")
+    lines.append("  phase peaks (allocated): " + ", ".join(f"{p} {gib(m.peak_allocated_bytes)}" for p, m in r.phases.items()))
+    speed = f"  {r.tokens_per_s:,.0f} tokens/s ({r.step_time_s:.3f} s per step of {r.tokens_per_step} tokens)"
+    if r.mfu is not None:
+        speed += f", MFU {100 * r.mfu:.1f} %"
+    lines.append(speed)
+    if r.num_alloc_retries is not None:
+        lines.append(f"  allocator: {r.num_alloc_retries} retries, fragmentation at the peak {gib(r.fragmentation_bytes or 0)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Speed models (pure Python): FLOPs per token, utilisation."""

@@ -1,0 +1,248 @@
+"""`profile()`: run real training steps of a TrainSetup, measure memory per phase and per category, compare with
+the estimate, and explain an OOM. Imports torch lazily (inside the functions)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..setup import TrainSetup
+from ..specs.gpu import GpuSpec
+from ..specs.model import ModelSpec
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class PhaseMeasurement:
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    by_category: dict[str, int]
+
+
+@dataclass
+class ProfileResult:
+    """A measured run. Sizes in bytes, times in seconds."""
+
+    model: str
+    setup: TrainSetup
+    device: str
+    steps: int
+    cap_bytes: int | None
+    phases: dict[str, PhaseMeasurement]
+    peak_phase: str
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    breakdown: dict[str, int]
+    estimate_breakdown: dict[str, int]
+    estimate_peak_allocated_bytes: int
+    estimate_peak_reserved_bytes: int
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_step: int
+    mfu: float | None
+    num_alloc_retries: int | None
+    fragmentation_bytes: int | None
+    timeline: list[tuple[float, str, int]] = field(default_factory=list)
+    oom: dict | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "setup": self.setup.to_dict(), "device": self.device, "steps": self.steps,
+            "cap_bytes": self.cap_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_phase": self.peak_phase,
+            "phases": {p: {"peak_allocated_bytes": m.peak_allocated_bytes, "peak_reserved_bytes": m.peak_reserved_bytes,
+                           "breakdown": m.by_category} for p, m in self.phases.items()},
+            "breakdown": self.breakdown,
+            "estimate": {"peak_allocated_bytes": self.estimate_peak_allocated_bytes,
+                         "peak_reserved_bytes": self.estimate_peak_reserved_bytes,
+                         "breakdown": self.estimate_breakdown},
+            "difference_bytes": {k: self.breakdown.get(k, 0) - self.estimate_breakdown.get(k, 0)
+                                 for k in self.estimate_breakdown if k != "allocator_overhead"},
+            "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "num_alloc_retries": self.num_alloc_retries, "fragmentation_bytes": self.fragmentation_bytes,
+            "oom": self.oom,
+        }
+
+
+def build_model(model_spec: ModelSpec, source: str, setup: TrainSetup, device: str):
+    """A model folder with weights loads them; a catalog name or config.json gets random weights on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .hf_recipe import build_random_model, quantize_decoder_to_nf4
+
+    dtype_name = "bf16" if setup.method == "qlora" else setup.dtype
+    attn = "sdpa" if setup.attn == "flash" else setup.attn
+    has_weights = os.path.isdir(source) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
+    if has_weights:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn).to(device)
+        model.train()
+    else:
+        model = build_random_model(model_spec.hf_config, attn=attn, device=device, dtype_name=dtype_name)
+    if setup.method == "qlora":
+        if device != "cuda":
+            raise ConfigError("--method qlora needs a CUDA GPU (bitsandbytes NF4); profile it on a GPU or use lora")
+        quantize_decoder_to_nf4(model)
+    return model
+
+
+def _optimizer(setup: TrainSetup, params):
+    import torch
+
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4)
+    if setup.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-4, relative_step=False, scale_parameter=False)
+    import bitsandbytes as bnb  # adamw8bit / paged_adamw8bit
+
+    cls = bnb.optim.PagedAdamW8bit if setup.optimizer == "paged_adamw8bit" else bnb.optim.AdamW8bit
+    return cls(params, lr=1e-4)
+
+
+def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None, steps: int = 3,
+            device: str = "cuda", cap: GpuSpec | None = None, gpu: GpuSpec | None = None,
+            progress=None) -> ProfileResult:
+    """Run `steps` steps of the HF recipe for `setup` and measure them.
+
+    Args:
+        source: where the model comes from (a model folder, a config.json or the catalog name).
+        cap: limit PyTorch's allocator to this GPU's budget (CUDA: set_per_process_memory_fraction; CPU: the
+            tracker raises OutOfMemoryError past it).
+        gpu: the GPU whose peak FLOP/s MFU is computed against (defaults to `cap`).
+    Raises:
+        OutOfMemoryError is not raised: an OOM is returned in `result.oom` (a post-mortem) with what was measured.
+    """
+    import torch
+
+    from ..memory import estimate
+    from . import hf_recipe
+    from .oom import build_report
+    from .tracker import CATEGORIES, MemoryTracker
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
+    est = estimate(model_spec, setup, cap or gpu, device=device)
+    cuda = device == "cuda"
+    cap_bytes = cap.allocator_budget_bytes if cap is not None else None
+    if cuda:
+        torch.cuda.empty_cache()
+        if cap_bytes is not None:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))
+    model = build_model(model_spec, source or model_spec.name, setup, device)
+    if setup.method in ("lora", "qlora"):
+        model = hf_recipe.wrap_lora(model, setup.lora_rank, "all-linear" if setup.all_linear else list(setup.lora_targets),
+                                    alpha=setup.lora_alpha)
+    elif setup.method == "freeze":
+        layers = hf_recipe._decoder_layers(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in list(layers)[-setup.freeze_trainable_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    if setup.grad_checkpointing != "none":
+        hf_recipe.enable_checkpointing(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(setup, trainable)
+    ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)
+    gc.collect()
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None
+    phases: dict[str, PhaseMeasurement] = {}
+    times: list[float] = []
+    oom = None
+    tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes)
+    try:
+        with tracker:
+            for step in range(steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for phase in PHASES:
+                    tracker.set_phase(phase)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    if phase == "forward":
+                        loss = model(input_ids=ids, labels=ids).loss
+                    elif phase == "backward":
+                        loss.backward()
+                    else:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        del loss
+                    if cuda:
+                        torch.cuda.synchronize()
+                    _record_phase(phases, phase, tracker, cuda)
+                tracker.end_step()
+                times.append(time.perf_counter() - t0)
+                if progress:
+                    progress(step + 1, steps)
+    except Exception as exc:  # noqa: BLE001 - an OOM becomes a post-mortem; anything else propagates
+        from .oom import is_oom
+
+        if not is_oom(exc):
+            raise
+        rep = build_report(exc, tracker=tracker, model_spec=model_spec, setup=setup, gpu=cap or gpu, model=model,
+                           device=device)
+        oom = rep.to_json()
+        if tracker.phase in PHASES:
+            _record_phase(phases, tracker.phase, tracker, cuda)
+    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else None
+    peak_phase = max(phases, key=lambda p: phases[p].peak_allocated_bytes) if phases else "forward"
+    peak = phases.get(peak_phase)
+    step_time = min(times[1:] or times) if times else float("nan")
+    tokens = setup.tokens_per_step
+    tps = tokens / step_time if times else 0.0
+    from ..perf.flops import mfu
+
+    peak_tflops = (gpu or cap).peak_bf16_tflops if (gpu or cap) is not None else None
+    result = ProfileResult(
+        model=model_spec.name, setup=setup, device=device, steps=len(times), cap_bytes=cap_bytes,
+        phases=phases, peak_phase=peak_phase,
+        peak_allocated_bytes=peak.peak_allocated_bytes if peak else 0,
+        peak_reserved_bytes=max((m.peak_reserved_bytes or 0) for m in phases.values()) if cuda and phases else None,
+        breakdown=dict(peak.by_category) if peak else dict.fromkeys(CATEGORIES, 0),
+        estimate_breakdown=dict(est.breakdown), estimate_peak_allocated_bytes=est.peak_allocated_bytes,
+        estimate_peak_reserved_bytes=est.peak_reserved_bytes,
+        step_time_s=step_time, tokens_per_s=tps, tokens_per_step=tokens,
+        mfu=mfu(tps, model_spec, setup, peak_tflops) if times and cuda else None,
+        num_alloc_retries=retries,
+        fragmentation_bytes=(peak.peak_reserved_bytes - peak.peak_allocated_bytes) if cuda and peak else None,
+        timeline=[(s.t_s, s.phase, s.live_bytes) for s in tracker.samples],
+        oom=oom,
+    )
+    del model, opt, ids
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        if cap_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    return result
+
+
+def _record_phase(phases: dict, phase: str, tracker, cuda: bool) -> None:
+    """Keep the largest peak of each phase over the steps, with the tracker's categories at that peak."""
+    import torch
+
+    rec = tracker.phase_peaks.get(phase)
+    by_cat = dict(rec.by_category) if rec else {}
+    if cuda:
+        alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        seen = sum(by_cat.values())
+        by_cat["workspaces"] = max(0, alloc - seen)  # what the allocator handed out that no tensor op made
+    else:
+        alloc, reserved = (rec.live_bytes if rec else 0), None
+    cur = phases.get(phase)
+    if cur is None or alloc > cur.peak_allocated_bytes:
+        phases[phase] = PhaseMeasurement(alloc, reserved, by_cat)
+    tracker.phase_peaks.pop(phase, None)

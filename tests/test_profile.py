@@ -1,0 +1,118 @@
+"""`fitune profile` on the CPU: tensor-level accounting of a real tiny training run, and OOM post-mortems."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from fitune.cli.main import main  # noqa: E402
+from fitune.memory import estimate  # noqa: E402
+from fitune.profile.run import profile  # noqa: E402
+from fitune.setup import TrainSetup  # noqa: E402
+from fitune.specs.gpu import resolve_gpu  # noqa: E402
+from fitune.specs.model import load_model_spec  # noqa: E402
+
+TINY = {
+    "llama": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1200, "tie_word_embeddings": True,
+              "max_position_embeddings": 512},
+    "qwen3": {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+              "tie_word_embeddings": True, "max_position_embeddings": 512},
+}
+
+
+def _config(tmp_path, family="llama"):
+    p = tmp_path / family / "config.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(TINY[family]))
+    return str(p)
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_categories_add_up_and_match_the_estimate(tmp_path, family, ckpt):
+    path = _config(tmp_path, family)
+    spec = load_model_spec(path)
+    setup = TrainSetup(batch_size=2, seq_len_tokens=64, grad_checkpointing=ckpt, lora_targets=("q_proj", "v_proj"))
+    r = profile(spec, setup, source=path, steps=2, device="cpu")
+    assert r.oom is None and r.steps == 2
+    assert sum(r.breakdown.values()) == r.peak_allocated_bytes  # the categories are the measured peak, split
+    est = estimate(spec, setup, device="cpu")
+    # the analytic engine against a real run, tensor for tensor, on the CPU
+    assert abs(r.peak_allocated_bytes - est.peak_allocated_bytes) <= 0.02 * r.peak_allocated_bytes
+    assert r.breakdown["weights"] == est.breakdown["weights"]
+    assert r.breakdown["adapter_weights"] == est.breakdown["adapter_weights"]
+
+
+def test_profile_json_keys_are_stable(tmp_path, capsys):
+    path = _config(tmp_path)
+    assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"model", "setup", "device", "steps", "cap_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                        "peak_phase", "phases", "breakdown", "estimate", "difference_bytes", "step_time_s",
+                        "tokens_per_step", "tokens_per_s", "mfu", "num_alloc_retries", "fragmentation_bytes", "oom"}
+    assert set(doc["phases"]) == {"forward", "backward", "optimizer"}
+    assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown"}
+
+
+def test_cap_turns_an_oom_into_a_post_mortem(tmp_path, capsys):
+    path = _config(tmp_path)
+    code = main(["profile", path, "--device", "cpu", "--seq-len", "64", "--steps", "2", "--cap", "2.5MiB"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "out of memory - post-mortem" in captured.out
+    assert "what filled it, by category" in captured.out and "weights" in captured.out
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_oom_report_context_manager(capsys):
+    import fitune
+
+    with pytest.raises(SystemExit) as exit_info:
+        with fitune.oom_report(model_spec="llama-3.1-8b", setup=TrainSetup(grad_checkpointing="full"), gpu="rtx4090"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity")
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "failed request: 1.96 GiB" in err
+    assert "fitune estimate for this setup" in err and "--method qlora" in err
+
+
+def test_oom_report_lets_other_errors_through():
+    import fitune
+
+    with pytest.raises(ValueError):
+        with fitune.oom_report():
+            raise ValueError("not memory")
+
+
+def test_tracker_post_mortem_names_categories(tmp_path):
+    from fitune.profile.oom import build_report
+    from fitune.profile.tracker import MemoryTracker
+    from fitune.profile import hf_recipe
+
+    spec = load_model_spec(_config(tmp_path))
+    model = hf_recipe.wrap_lora(hf_recipe.build_random_model(spec.hf_config, device="cpu"), 8, ["q_proj", "v_proj"])
+    ids = torch.randint(0, 1000, (2, 64))
+    tracker = MemoryTracker(model, cap_bytes=2 * 2**20)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with tracker:
+            tracker.set_phase("forward")
+            model(input_ids=ids, labels=ids).loss.backward()
+    rep = build_report(info.value, tracker=tracker, model_spec=spec, setup=TrainSetup(seq_len_tokens=64),
+                       gpu=resolve_gpu("2MiB"))
+    assert rep.requested_bytes and rep.live_by_category["weights"] > 0
+    assert rep.top_sources and rep.phase == "forward"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = _config(tmp_path)
+    out = tmp_path / "mem.png"
+    assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
