@@ -98,15 +98,15 @@ def run(args) -> int:
 
     est = estimate(model, setup, gpu)
     suggestions = []
-    if gpu is not None and not est.fits:
+    if gpu is not None and (not est.fits or est.retries_expected):
         from ..memory.suggest import suggest_changes
 
         suggestions = suggest_changes(model, setup, gpu, base=est)
     if args.json:
         doc = estimate_to_json(est)
         if gpu is not None:
-            doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes}
-                                  for x in suggestions]
+            doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
+                                   "retries_expected": x.retries} for x in suggestions]
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
@@ -136,6 +136,7 @@ def estimate_to_json(est) -> dict:
         out["gpu"] = {"name": est.gpu.name, "total_bytes": est.gpu.total_bytes,
                       "allocator_budget_bytes": est.gpu.allocator_budget_bytes}
         out["fits"] = est.fits
+        out["retries_expected"] = est.retries_expected
         out["tight"] = est.tight
         out["headroom_bytes"] = est.headroom_bytes
     return out
@@ -181,9 +182,15 @@ def format_estimate(est, suggestions=()) -> str:
     if est.gpu is not None:
         g = est.gpu
         top = ", ".join(f"{LABELS[k]} {gib(v)}" for k, v in est.largest_terms(3))
-        verdict = "FITS" if est.fits else "DOES NOT FIT"
-        if est.tight:
-            verdict += " (tight: within 5 % of the budget, where run-to-run fragmentation decides)"
+        if not est.fits:
+            verdict = "DOES NOT FIT"
+        elif est.retries_expected:
+            verdict = ("FITS ONLY WITH ALLOCATOR RETRIES: the reserved peak is over the budget, so the allocator "
+                       "will flush its cache mid-step (slower; a fragmented cache can still fail)")
+        else:
+            verdict = "FITS"
+            if est.tight:
+                verdict += " (tight: within 5 % of the budget, where run-to-run fragmentation decides)"
         lines.append("")
         lines.append(f"  {g.name}: {gib(g.allocator_budget_bytes)} for PyTorch's allocator "
                      f"(of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")
@@ -191,8 +198,9 @@ def format_estimate(est, suggestions=()) -> str:
         if suggestions:
             lines.append("  changes that fit (one at a time):")
             for x in suggestions:
-                lines.append(f"    {x.change:52s} {gib(x.peak_reserved_bytes):>10s} reserved  ({x.why})")
-        elif not est.fits:
+                why = x.why + ("; over the budget reserved: allocator retries" if x.retries else "")
+                lines.append(f"    {x.change:52s} {gib(x.peak_reserved_bytes):>10s} reserved  ({why})")
+        elif not est.fits or est.retries_expected:
             lines.append("  no single change fits; combine them (e.g. --method qlora --grad-checkpointing full)")
     return "\n".join(lines)
 

@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import estimate, profile
+from . import doctor, estimate, profile
 
-SUBCOMMANDS = (estimate, profile)
+SUBCOMMANDS = (estimate, profile, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,6 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 from .tape import Event
 
@@ -48,17 +47,13 @@ def segment_size(block: int) -> int:
     return -(-block // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
 class _Block:
-    offset: int
-    size: int
-    free: bool
-    small: bool
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
+    """A block of a segment; blocks of one segment form a doubly linked list by address."""
 
-    def key(self) -> tuple[int, int, int]:
-        return (self.size, self.offset, id(self))
+    __slots__ = ("offset", "size", "free", "small", "prev", "next")
+
+    def __init__(self, offset: int, size: int, free: bool, small: bool, prev=None, next=None):
+        self.offset, self.size, self.free, self.small, self.prev, self.next = offset, size, free, small, prev, next
 
 
 class CachingAllocatorModel:
@@ -69,8 +64,9 @@ class CachingAllocatorModel:
         self.allocated = 0
         self.peak_reserved = 0
         self.peak_allocated = 0
-        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small pool? -> sorted keys
-        self._by_key: dict[tuple[int, int, int], _Block] = {}
+        # per pool (small?): a sorted list of (size, offset) of free blocks; offsets are unique over segments
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self._by_offset: dict[int, _Block] = {}
         self._live: dict[int, _Block] = {}
         self._next_offset = 0
 
@@ -78,43 +74,39 @@ class CachingAllocatorModel:
         self.peak_reserved = self.reserved
         self.peak_allocated = self.allocated
 
-    def _pool_add(self, b: _Block) -> None:
-        k = b.key()
-        self._by_key[k] = b
-        bisect.insort(self._free[b.small], k)
-
-    def _pool_remove(self, b: _Block) -> None:
-        k = b.key()
-        pool = self._free[b.small]
-        i = bisect.bisect_left(pool, k)
-        pool.pop(i)
-        del self._by_key[k]
-
     def malloc(self, key: int, nbytes: int) -> None:
-        size = round_size(nbytes)
+        size = nbytes if nbytes % MIN_BLOCK == 0 and nbytes else (nbytes // MIN_BLOCK + 1) * MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1, -1))
+        i = bisect.bisect_left(pool, (size, -1))
         if i < len(pool):
-            block = self._by_key.pop(pool.pop(i))
+            block = self._by_offset.pop(pool.pop(i)[1])
         else:  # cudaMalloc a new segment
             seg_bytes = segment_size(size)
             block = _Block(self._next_offset, seg_bytes, True, small)
             self._next_offset += seg_bytes + ROUND_LARGE  # segments are never adjacent
             self.reserved += seg_bytes
+            if self.reserved > self.peak_reserved:
+                self.peak_reserved = self.reserved
         remaining = block.size - size
         if remaining > (MIN_BLOCK if small else SMALL_SIZE):
-            rest = _Block(block.offset + size, remaining, True, small, prev=block, next=block.next)
+            rest = _Block(block.offset + size, remaining, True, small, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
-            self._pool_add(rest)
+            self._by_offset[rest.offset] = rest
+            bisect.insort(pool, (remaining, rest.offset))
         block.free = False
         self._live[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+
+    def _unpool(self, b: _Block) -> None:
+        pool = self._free[b.small]
+        del pool[bisect.bisect_left(pool, (b.size, b.offset))]
+        del self._by_offset[b.offset]
 
     def release(self, key: int) -> None:
         block = self._live.pop(key, None)
@@ -124,20 +116,21 @@ class CachingAllocatorModel:
         block.free = True
         nxt = block.next
         if nxt is not None and nxt.free:  # merge with the free neighbour after
-            self._pool_remove(nxt)
+            self._unpool(nxt)
             block.size += nxt.size
             block.next = nxt.next
             if nxt.next is not None:
                 nxt.next.prev = block
         prv = block.prev
         if prv is not None and prv.free:  # and before
-            self._pool_remove(prv)
+            self._unpool(prv)
             prv.size += block.size
             prv.next = block.next
             if block.next is not None:
                 block.next.prev = prv
             block = prv
-        self._pool_add(block)
+        self._by_offset[block.offset] = block
+        bisect.insort(self._free[block.small], (block.size, block.offset))
 
 
 def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 2) -> tuple[int, int]:
@@ -152,14 +145,14 @@ def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 
     model = CachingAllocatorModel()
     for i, nbytes in enumerate(resident):
         model.malloc(-1 - i, nbytes)
+    events = [(ev.tid, ev.nbytes) for ev in step_events if not ev.retag]
+    malloc, release = model.malloc, model.release
     for step in range(steps):
         offset = step * 10_000_000
-        for ev in step_events:
-            if ev.retag:
-                continue
-            if ev.nbytes > 0:
-                model.malloc(offset + ev.tid, ev.nbytes)
+        for tid, nbytes in events:
+            if nbytes > 0:
+                malloc(offset + tid, nbytes)
             else:
-                model.release(offset + ev.tid)
+                release(offset + tid)
         # tensors still live at the end of the step (none, once the step frees what it made) carry over
     return model.peak_reserved, model.peak_allocated

@@ -16,6 +16,7 @@ class Suggestion:
     why: str  # what it costs
     peak_reserved_bytes: int
     fits: bool
+    retries: bool = False  # fits, but only with the allocator flushing its cache mid-step
 
 
 def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
@@ -39,12 +40,13 @@ def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
 
 def suggest_changes(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec, base: MemoryEstimate | None = None,
                     limit: int = 3) -> list[Suggestion]:
-    """One-change alternatives that fit `gpu`, cheapest first; then the smallest catalog GPU that fits as is."""
+    """One-change alternatives that fit `gpu`, cheapest first (those needing allocator retries say so); then the
+    smallest catalog GPU whose budget holds the reserved peak as is."""
     out: list[Suggestion] = []
     for change, why, s in _candidates(setup)[:limit]:
         e = estimate(model, s, gpu)
         if e.fits:
-            out.append(Suggestion(change, why, e.peak_reserved_bytes, True))
+            out.append(Suggestion(change, why, e.peak_reserved_bytes, True, bool(e.retries_expected)))
     need = (base or estimate(model, setup, gpu)).peak_reserved_bytes
     bigger = sorted((resolve_gpu(n) for n in catalog_gpu_names()), key=lambda g: g.allocator_budget_bytes)
     for g in bigger:

@@ -105,7 +105,8 @@ def build_report(exc: BaseException, tracker=None, model_spec=None, setup=None, 
             rep.estimate_peak_reserved_bytes = est.peak_reserved_bytes
             rep.estimate_breakdown = dict(est.breakdown)
             if gpu is not None:
-                rep.suggestions = [(s.change, s.peak_reserved_bytes) for s in suggest_changes(model_spec, setup, gpu, est)]
+                rep.suggestions = [(s.change + (" (with allocator retries)" if s.retries else ""), s.peak_reserved_bytes)
+                                   for s in suggest_changes(model_spec, setup, gpu, est)]
         except Exception as e:  # noqa: BLE001
             rep.estimate_breakdown = {"error": str(e)}  # type: ignore[dict-item]
     return rep

@@ -16,10 +16,13 @@ autograd engine propagates dispatch modes to its worker threads, so backward all
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
 
 CATEGORIES = ("weights", "adapter_weights", "gradients", "optimizer_states", "saved_activations",
               "logits_and_loss", "transients", "workspaces")
@@ -143,10 +146,12 @@ class MemoryTracker:
         return out
 
     def live_by_source(self, top: int = 10) -> list[tuple[str, int]]:
+        """Live bytes by the module (or op) that made them, layers folded together (`layers.*.mlp.up_proj`)."""
         agg: dict[str, int] = {}
         with self._lock:
             for e in self.live.values():
-                agg[e.source] = agg.get(e.source, 0) + e.nbytes
+                src = _LAYER_INDEX.sub(".*.", e.source)
+                agg[src] = agg.get(src, 0) + e.nbytes
         return sorted(agg.items(), key=lambda kv: -kv[1])[:top]
 
     # ---- context manager ----------------------------------------------------------------------------------
