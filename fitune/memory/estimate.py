@@ -52,6 +52,9 @@ class MemoryEstimate:
     total_params: int
     host_bytes: int = 0
     """Pinned CPU memory the plan needs (offloaded checkpoints)."""
+    forward_saved_bytes: int = 0
+    """What autograd keeps from the forward for backward (activations, log-probs, index tensors): the number
+    `--engine trace` and the GPU bench's `saved_tensor_bytes` measure."""
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -135,7 +138,9 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         qlora=setup.method == "qlora", trainable_base=setup.method == "full", attn=setup.attn,
         use_cache=mode == "none" and setup.stack == "hf",
     )
-    ids = tape.alloc(8 * T * 3, TRANSIENTS, "input_ids+labels")
+    # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
+    ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
+    labels = tape.alloc(8 * T, ACTIVATIONS, "shift_labels")
     cos_sin = tape.alloc(overheads.rope_cache_bytes(model, s, w), ACTIVATIONS, "rope cos/sin")
     mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
     x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
@@ -169,13 +174,14 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     # ---- backward --------------------------------------------------------------------------------------
     ag.seed_grad(loss, FP32, "grad:loss")
     ag.backward()
-    tape.free(cos_sin, ids, loss.tid)
+    tape.free(cos_sin, ids, labels, loss.tid)
     # ---- optimizer step --------------------------------------------------------------------------------
     tape.phase = OPTIMIZER_STEP
     step_tmp = tape.alloc(opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes), TRANSIENTS, "optimizer step")
     tape.free(step_tmp)
     tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
 
+    forward_saved = _live_at_end_of_forward(tape.events, (ACTIVATIONS, LOGITS)) - FP32  # minus the loss scalar
     phases = replay(tape.events, resident)
     peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
     peak_alloc = phases[peak_phase].peak_bytes
@@ -198,9 +204,20 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         trainable_params=trainable,
         total_params=counts.total,
         host_bytes=host_bytes,
+        forward_saved_bytes=forward_saved,
         gpu=gpu,
         notes=tuple(notes),
     )
+
+
+def _live_at_end_of_forward(events, categories) -> int:
+    live = 0
+    for ev in events:
+        if ev.phase != FORWARD:
+            break
+        if ev.category in categories:
+            live += ev.nbytes
+    return live
 
 
 def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes: int) -> int:

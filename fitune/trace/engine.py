@@ -2,10 +2,10 @@
 
 The HF recipe (see `fitune.profile.hf_recipe`) is executed op by op under PyTorch's `FakeTensorMode`: every
 tensor has its real shape, dtype, strides and storage size, but no data, so an 8B model with a batch of
-2 x 2048 tokens "runs" on a laptop CPU in seconds and allocates nothing real. Memory is measured by PyTorch's
-own `torch.distributed._tools.mem_tracker.MemTracker` (a `TorchDispatchMode` that weakly tracks every
-storage an op creates, counts each storage once, however many views share it, and sorts it into
-parameter / buffer / gradient / activation / temporary / optimizer state).
+2 x 2048 tokens "runs" on a laptop CPU in seconds and allocates nothing real. Memory is measured by
+`fitune.trace.tracker` (a `TorchDispatchMode` that weakly follows every storage an op creates, counts each
+storage once, however many views share it, and sorts it into params / buffers / inputs / activations /
+temporaries / grads / optimizer; its docstring says why PyTorch's own `MemTracker` is not used).
 
 What is measured (all in bytes, storages counted once):
 
@@ -29,6 +29,19 @@ workspaces. SDPA picks the CPU flash kernel (which saves the output and the fp32
 flash kernel). AdamW runs with `foreach=True`, the implementation PyTorch picks by default for CUDA
 tensors (on CPU it would default to the per-parameter loop, whose temporaries are smaller).
 
+Checked against the H200 bench (bench/results/hf_recipe, the 37 bf16 LoRA cases, 5 architectures, both
+attention implementations, with and without checkpointing): the saved-tensor bytes agree to the byte
+(+-512 B), and the forward / backward / optimizer peaks measured from the step's start agree within 1 MiB in
+32 cases (the others: 5-43 MiB, foreach-AdamW temporaries of very large adapters and two short-sequence
+cases); absolute peaks come out 64-67 MiB (0.1-0.6 %) lower, the bench's non-tensor allocations.
+
+Two library quirks are worked around for the duration of a fake run (so a run is not thread-safe): PEFT's
+`.to()` of each new LoRA layer fails on fake parameters (`torch.utils.swap_tensors` refuses the weakref that
+FakeTensorMode's memo puts on them), and transformers treats fake position ids as "tracing" and would build
+a packed-sequence attention mask that the real run never builds. See `_fake_swap_fix` and
+`_no_packed_sequence_detection`; with both, the fake run matches the same run on real tensors byte for byte
+(tests/test_trace_engine.py).
+
 `import fitune.trace` does not import torch: torch, transformers and peft are imported inside functions.
 """
 
@@ -39,21 +52,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fitune.trace.tracker import make_tracker
+
 METHODS = ("lora", "full", "freeze", "qlora")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DTYPES = ("bf16", "fp16", "fp32")
 GRAD_CHECKPOINTING = ("none", "full")
 OPTIMIZERS = ("adamw",)
-
-CATEGORY_NAMES = {
-    "Parameter": "params",
-    "Buffer": "buffers",
-    "Gradient": "grads",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Optstate": "optimizer",
-    "Other": "inputs",
-}
 
 
 class TraceUnsupportedError(NotImplementedError):
@@ -193,20 +198,19 @@ def _trace(
     notes: list[str] = []
     if isinstance(lora_targets, tuple):
         lora_targets = list(lora_targets)
-    torch.manual_seed(seed)
 
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.random.fork_rng(devices=[]))  # leave the caller's RNG state alone
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-        ctx = contextlib.ExitStack()
         ctx.enter_context(mode)
         ctx.enter_context(_fake_swap_fix(mode))
-    else:
-        mode = None
-        ctx = contextlib.ExitStack()
+        ctx.enter_context(_no_packed_sequence_detection())
 
     with ctx:
+        torch.manual_seed(seed)
         model = build_random_model(hf_config, attn=attn, device="cpu", dtype_name=dtype)
         if method == "lora":
             model = wrap_lora(model, lora_rank, lora_targets)
@@ -224,8 +228,14 @@ def _trace(
         ids = torch.randint(0, vocab, (batch_size, seq_len_tokens))
 
         param_storage_ids = _storage_keys(model.parameters(), fake)
-        tracker = _make_tracker()
-        tracker.track_external(model, opt, ids)
+        tracker = make_tracker()
+        tracker.track(model.parameters(), "params")
+        tracker.track(model.buffers(), "buffers")
+        tracker.track([ids], "inputs")
+        # a gradient is a temporary of the backward until it is accumulated into .grad
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "grads")) for p in trainable
+        ]
 
         phases: dict[str, tuple[int, dict[str, int]]] = {}
         saved_hooks_bytes = 0
@@ -234,10 +244,9 @@ def _trace(
         with tracker:
             for step in range(steps):
                 last = step == steps - 1
-                tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
-                start_bytes = tracker.live_bytes()
+                start_bytes = tracker.total
 
-                tracker.start_phase()
+                tracker.start_phase("activations")
                 if last:
                     seen: dict[Any, int] = {}
                     keep: list = []
@@ -249,27 +258,29 @@ def _trace(
                 else:
                     loss = model(input_ids=ids, labels=ids).loss
                 fwd = tracker.end_phase()
-                after_fwd_bytes = tracker.live_bytes()
+                after_fwd_bytes = tracker.total
 
-                tracker.start_phase()
+                tracker.start_phase("temporaries")
                 loss.backward()
                 bwd = tracker.end_phase()
                 if last:
                     grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
 
-                tracker.start_phase()
+                tracker.start_phase("temporaries")
                 opt.step()
+                tracker.retag(_optimizer_tensors(opt), "optimizer")
                 opt.zero_grad(set_to_none=True)
                 del loss
                 optp = tracker.end_phase()
                 if last:
                     phases = {"forward": fwd, "backward": bwd, "optimizer": optp}
+        for h in handles:
+            h.remove()
 
         frozen = [p for p in model.parameters() if not p.requires_grad]
         weights_bytes = _unique_bytes(list(frozen) + list(model.buffers()), fake)
         adapter_bytes = _unique_bytes(trainable, fake)
-        opt_tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        opt_bytes = _unique_bytes(opt_tensors, fake)
+        opt_bytes = _unique_bytes(_optimizer_tensors(opt), fake)
         trainable_params = sum(p.numel() for p in trainable)
         frozen_params = sum(p.numel() for p in _unique_tensors(frozen, fake))
 
@@ -287,11 +298,11 @@ def _trace(
     peak_phase = max(phases, key=lambda k: phases[k][0])
     peak_bytes, by_category = phases[peak_phase]
     notes.append(
-        "fake CPU tensors: exact tensor bytes, no CUDA allocator rounding / fragmentation / reserved memory, "
-        "no CUDA context or library workspaces"
+        "tensor bytes only (fake CPU tensors): add the CUDA context, library workspaces (the H200 bench holds "
+        "64 MiB more allocated than the tensors from the first step on, cuBLAS workspaces most likely) and the "
+        "caching allocator's rounding, fragmentation and reserved-but-free memory"
     )
     notes.append("AdamW runs with foreach=True (the CUDA default); the 'step' state is counted in optimizer state")
-    notes.append(f"measured by {type(tracker).__mro__[1].__module__}.{type(tracker).__mro__[1].__name__}")
     return TraceResult(
         weights_bytes=weights_bytes,
         adapter_weights_bytes=adapter_bytes,
@@ -316,6 +327,12 @@ def _trace(
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
+
+def _optimizer_tensors(opt) -> list:
+    import torch
+
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def _storage_key(t, fake: bool):
@@ -349,6 +366,33 @@ def _unique_bytes(tensors, fake: bool) -> int:
 
 def _storage_keys(tensors, fake: bool) -> set:
     return {_storage_key(t, fake) for t in tensors}
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_detection():
+    """Answer transformers' packed-sequence question the way a real run of the recipe does: "not packed".
+
+    Without a KV cache (training with checkpointing sets `use_cache=False`) and without an attention mask,
+    `masking_utils.find_packed_sequence_indices(position_ids)` asks the data `(mask[:, -1] == 0).all()`; a real
+    run answers "one sequence per row" (position ids are 0..S-1) and lets SDPA use `is_causal` without a mask.
+    On fake tensors transformers treats the check as tracing and returns a packed-sequence mask, which would
+    materialise a [B, 1, S, S] mask and, for GQA models, `repeat_kv` copies of K and V that the real run never
+    makes. The recipe never packs sequences, so answer None here, as the real run does.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - older transformers: nothing to patch
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:  # pragma: no cover
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
 
 
 def _make_pack(seen: dict, keep: list, fake: bool):
@@ -400,64 +444,3 @@ def _fake_swap_fix(mode):
         yield
     finally:
         torch.utils.swap_tensors = orig
-
-
-def _make_tracker():
-    """A `MemTracker` that also records the peak (and its per-category snapshot) of each phase."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _PhaseMemTracker(MemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            self._phase_peak = 0
-            self._phase_snap: dict = {}
-
-        def live_bytes(self) -> int:
-            return sum(dev.get("Total", 0) for dev in self._curr_mem_snap.values())
-
-        def _categories(self) -> dict[str, int]:
-            out: dict[str, int] = {}
-            for dev in self._curr_mem_snap.values():
-                for k, v in dev.items():
-                    if k == "Total":
-                        continue
-                    name = CATEGORY_NAMES.get(getattr(k, "value", str(k)), str(k))
-                    out[name] = out.get(name, 0) + v
-            return out
-
-        def start_phase(self) -> None:
-            self._phase_peak = self.live_bytes()
-            self._phase_snap = self._categories()
-
-        def end_phase(self) -> tuple[int, dict[str, int]]:
-            return self._phase_peak, dict(self._phase_snap)
-
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            # The base class registers a gradient hook on *every* parameter, which raises for frozen ones
-            # ("cannot register a hook on a tensor that doesn't require gradient"): LoRA freezes the base.
-            # Track everything without hooks, then hook only the trainable parameters, the same way.
-            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            if install_grad_hooks:
-                from torch.distributed._tools.mem_tracker import _MemRefType
-
-                def _grad_hook(grad) -> None:
-                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-                for param in module.parameters():
-                    if not param.requires_grad or self._param_to_grad_hook_handles.get(param, None) is not None:
-                        continue
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(_grad_hook),
-                        param.register_post_accumulate_grad_hook(lambda p: _grad_hook(p.grad)),
-                    )
-            return out
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # Called after every op. The module-wise peak bookkeeping of the base class costs O(modules) per
-            # op and is not used here: only the global phase peak is kept.
-            total = self.live_bytes()
-            if total > self._phase_peak:
-                self._phase_peak = total
-                self._phase_snap = self._categories()
-
-    return _PhaseMemTracker()
