@@ -44,3 +44,23 @@ def test_readme_error_table_matches_the_measurements():
     assert int(m.group(1)) == s["cases"] == int(n.group(1))
     assert (m.group(2), m.group(3)) == (f"{s['allocated_median_pct']:.2f}", f"{s['allocated_max_pct']:.2f}")
     assert (n.group(2), n.group(3)) == (f"{s['reserved_median_pct']:.2f}", f"{s['reserved_max_pct']:.2f}")
+
+
+def test_profiled_seeds_case_per_category():
+    """`fitune profile` on the H200 (bench/results/profile/): measured categories against the estimate."""
+    import json
+
+    from fitune.memory import estimate
+    from fitune.setup import TrainSetup, parse_targets
+    from fitune.specs.gpu import resolve_gpu
+    from fitune.specs.model import load_model_spec
+
+    doc = json.load(open(os.path.join(ROOT, "bench", "results", "profile", "seeds_ckpt_uncapped.json")))
+    s = doc["setup"]
+    setup = TrainSetup(**{**s, "lora_targets": parse_targets(s["lora_targets"])})
+    est = estimate(load_model_spec(doc["model"]), setup, resolve_gpu("h200"))
+    peak = doc["peak_allocated_bytes"]
+    assert abs(est.peak_allocated_bytes - peak) <= 0.03 * peak
+    assert abs(est.peak_reserved_bytes - doc["peak_reserved_bytes"]) <= 0.05 * doc["peak_reserved_bytes"]
+    for category, measured in doc["breakdown"].items():
+        assert abs(est.breakdown[category] - measured) <= 0.01 * peak, category
