@@ -41,11 +41,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="a training script (.py); read, never run")
     p.add_argument("--data", metavar="FILE", help="a .jsonl / .json data file to scan instead of a script")
     p.add_argument("--tokenizer", metavar="DIR", help="with --data: a folder holding the tokenizer (a model folder)")
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help="with --data: the training sequence length in tokens "
                    f"(default {DEFAULT_SETUP.seq_len_tokens}, as fitune estimate)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                   help=f"with --data: sequences per batch for the dynamic-padding figure (default {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                   help="with --data: sequences per batch for the dynamic-padding figure "
+                   f"(default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--json", action="store_true", help="SCRIPT: a JSON list of findings (keys: rule, line, severity, "
                    "message, fix, evidence, claims); --data: one JSON object with a findings list")
     p.add_argument("--list-rules", action="store_true", help="print the script rules and exit")
@@ -88,7 +89,8 @@ def _run_data(args, worst_exit_code) -> int:
     from ..doctor.report import format_data_report
 
     if not args.tokenizer:
-        raise ConfigError("--data needs --tokenizer DIR: the folder of the tokenizer your training uses (a model folder)")
+        raise ConfigError("--data needs --tokenizer DIR: the folder of the tokenizer your training uses "
+                          "(a model folder)")
     report = scan_data(args.data, args.tokenizer, seq_len_tokens=args.seq_len, batch_size=args.batch_size)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)

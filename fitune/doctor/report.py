@@ -1,0 +1,77 @@
+"""Text for findings: one block per finding, sorted by line. Formatting only; the callers decide where it goes."""
+
+from __future__ import annotations
+
+import textwrap
+
+from .findings import SEVERITIES, Finding, sort_findings
+
+WIDTH = 110
+
+
+def count_text(findings: list[Finding]) -> str:
+    """"3 findings (1 error, 2 warnings)"."""
+    if not findings:
+        return "no findings"
+    parts = []
+    for sev in SEVERITIES:
+        n = sum(f.severity == sev for f in findings)
+        if n:
+            parts.append(f"{n} {sev}" + ("s" if n > 1 and sev != "info" else ""))
+    return f"{len(findings)} finding{'s' if len(findings) > 1 else ''} ({', '.join(parts)})"
+
+
+def format_finding(f: Finding, source: str = "") -> str:
+    if f.line is None:
+        where = source or "run"
+    else:
+        where = f"{source}:{f.line}" if source else f"line {f.line}"
+    head = f"{where}: {f.severity} [{f.rule}]" + (f" ({', '.join(f.claims)})" if f.claims else "")
+    body = [_wrap(f.message, "  ", "  "), _wrap(f.fix, "  fix: ", "       "),
+            _wrap(f.evidence, "  evidence: ", "            ")]
+    return "\n".join([head, *body])
+
+
+def format_findings(findings: list[Finding], source: str = "") -> str:
+    """All findings as blocks separated by a blank line, sorted by line."""
+    return "\n\n".join(format_finding(f, source) for f in sort_findings(findings))
+
+
+def _wrap(text: str, first: str, rest: str) -> str:
+    return textwrap.fill(text, width=WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False,
+                         break_long_words=False)
+
+
+BAR_WIDTH = 40
+STRATEGY_LABELS = {"max_length": "pad every record to {s}", "dynamic": "pad each batch of {b} to its longest",
+                   "packing": "pack into rows of {s}"}
+
+
+def format_data_report(report) -> str:
+    """The data scan (a `fitune.doctor.data.DataReport`) as text: lengths, histogram, padding, findings."""
+    st = report.length_stats()
+    template = {"chat": " (chat template)" if report.chat_template else " (no chat template: role: content lines)"}
+    lines = [f"{report.path}: {report.records:,} {report.format} records{template.get(report.format, '')}, "
+             f"seq len {report.seq_len_tokens}, batch {report.batch_size}",
+             f"tokens per record: min {st['min']}, median {st['median']:g}, mean {st['mean']:.1f}, p90 {st['p90']}, "
+             f"p99 {st['p99']}, max {st['max']}", "", f"{'tokens':>13s} {'records':>8s}"]
+    top = max(b.count for b in report.histogram) or 1
+    for b in report.histogram:
+        bar = "#" * max(1 if b.count else 0, round(BAR_WIDTH * b.count / top))
+        note = ""
+        if b.low_tokens > report.seq_len_tokens:
+            note = f"  longer than {report.seq_len_tokens}: truncated"
+        elif b.high_tokens > report.seq_len_tokens:
+            note = f"  the records above {report.seq_len_tokens} are truncated"
+        lines.append(f"{b.low_tokens:>6d}-{b.high_tokens:<6d} {b.count:>8,d}  {bar:<{BAR_WIDTH}s}{note}".rstrip())
+    lines += ["", "padding over one epoch in file order (share of computed token positions that are padding):"]
+    for p in report.padding:
+        label = STRATEGY_LABELS[p.strategy].format(s=report.seq_len_tokens, b=report.batch_size)
+        lines.append(f"  {label:40s} {100 * p.padding_share:5.1f} %  ({p.slot_tokens:,} positions for "
+                     f"{p.real_tokens:,} real tokens)")
+    n = report.truncated_records
+    lines.append(f"truncated at {report.seq_len_tokens} tokens: {n:,} record{'' if n == 1 else 's'}, "
+                 f"{report.truncated_tokens:,} tokens")
+    if report.findings:
+        lines += ["", f"{count_text(list(report.findings))}:", "", format_findings(list(report.findings), report.path)]
+    return "\n".join(lines)

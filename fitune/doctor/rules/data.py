@@ -1,0 +1,147 @@
+"""Rules about how text becomes a batch: padding, truncation, labels, packing."""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterator
+
+from .. import evidence
+from ..findings import INFO, WARNING
+from ..index import Call, ScriptIndex
+from .base import Hit, call_text, rule, script_model
+
+ENCODE_METHODS = ("encode", "encode_plus", "batch_encode_plus", "__call__", "apply_chat_template")
+SMALL_MAX_LENGTH = 256
+"""Padding to a fixed length at or below this many tokens is left alone (cheap, sometimes needed for static shapes)."""
+NOT_TRAINING_FUNCTIONS = ("generate", "infer", "predict", "demo")
+"""Tokeniser calls inside functions whose name contains one of these are prompts for generation, not training data."""
+CONCAT_CALLS = ("cat", "concat", "concatenate", "hstack")
+
+
+def tokenizer_calls(ix: ScriptIndex) -> list[Call]:
+    """`tokenizer(...)`, `tokenizer.encode(...)`, `tok.apply_chat_template(..., tokenize=True)` on known tokenizers."""
+    out = []
+    for c in ix.calls:
+        direct = c.name in ix.tokenizer_names
+        method = c.receiver in ix.tokenizer_names and c.tail in ENCODE_METHODS
+        if not (direct or method):
+            continue
+        if c.tail == "apply_chat_template" and not ix.is_true(c.kw("tokenize")) and c.kw("tokenize") is not None:
+            continue  # tokenize=False returns text
+        out.append(c)
+    return out
+
+
+@rule("pad-to-max-length", WARNING, 'padding="max_length" with a large max_length', ("C20", "C21"))
+def pad_to_max_length(ix: ScriptIndex) -> Iterator[Hit]:
+    sites = tokenizer_calls(ix) + [c for c in ix.calls if c.tail.startswith("DataCollator")]
+    for c in sites:
+        if ix.value(c.kw("padding")) != "max_length" and not ix.is_true(c.kw("pad_to_max_length")):
+            continue
+        max_length = ix.value(c.kw("max_length"))
+        if isinstance(max_length, int) and max_length <= SMALL_MAX_LENGTH:
+            continue
+        if c.kw("max_length") is None:
+            length = "the tokenizer's model_max_length (no max_length given; 131072 for Llama 3.1)"
+        elif isinstance(max_length, int):
+            length = f"max_length={max_length}"
+        else:
+            length = "max_length (not a constant in this script)"
+        yield Hit(
+            c.line,
+            f"`{call_text(c)}` pads every example to {length}: padding tokens go through every layer and "
+            "cost the same activation memory and time as real ones.",
+            "padding=False here and a collator that pads each batch to its longest example "
+            "(DataCollatorWithPadding / DataCollatorForSeq2Seq, pad_to_multiple_of=8), or packing; "
+            "`fitune doctor --data FILE --tokenizer DIR` shows how much padding your data would carry",
+            evidence.seq_len_cost(script_model(ix)),
+        )
+
+
+@rule("tokenize-without-truncation", WARNING, "tokenizer call without truncation=True", ("C21",))
+def tokenize_without_truncation(ix: ScriptIndex) -> Iterator[Hit]:
+    for c in tokenizer_calls(ix):
+        if c.grad_disabled or c.open_kwargs or any(w in c.function.lower() for w in NOT_TRAINING_FUNCTIONS):
+            continue
+        truncation = c.kw("truncation")
+        if truncation is not None and not ix.is_false(truncation) and ix.value(truncation) is not None:
+            continue
+        yield Hit(
+            c.line,
+            f"`{call_text(c)}` does not truncate: one long example makes a batch as long as itself, and the "
+            "step that meets it runs out of memory (often hours into the run).",
+            "truncation=True, max_length=<your sequence length>; count what would be cut with "
+            "`fitune doctor --data FILE --tokenizer DIR --seq-len N`",
+            evidence.long_example_cost(),
+        )
+
+
+@rule("labels-concatenate-inputs", WARNING, "labels built by concatenating input_ids", ("C09",))
+def labels_concatenate_inputs(ix: ScriptIndex) -> Iterator[Hit]:
+    values = [(a.line, a.value) for a in ix.assignments if a.target in ("labels", '["labels"]')]
+    values += [(c.line, c.kw("labels")) for c in ix.calls if c.kw("labels") is not None]
+    for line, value in values:
+        if not _concatenates_inputs(ix, value):
+            continue
+        yield Hit(
+            line,
+            "labels are built by concatenating input_ids with more tokens: a causal LM's labels are the input_ids "
+            "themselves (transformers shifts them by one inside the loss), so the labels no longer line up with the "
+            "input, or the input was doubled to match and every step pays for twice the sequence.",
+            "labels = input_ids.clone() (or a copy of the list), with the prompt positions set to -100",
+            evidence.doubled_sequence(script_model(ix)),
+        )
+
+
+@rule("sft-without-packing", INFO, "TRL SFTConfig without packing", ("C20",))
+def sft_without_packing(ix: ScriptIndex) -> Iterator[Hit]:
+    configs = ix.calls_named("SFTConfig") or ix.calls_named("SFTTrainer")
+    sites = ix.calls_named("SFTConfig") + ix.calls_named("SFTTrainer")
+    if not configs or any(c.open_kwargs for c in configs):
+        return
+    if any(ix.is_true(c.kw("packing")) or ix.is_true(c.kw("padding_free")) for c in sites):
+        return
+    c = configs[0]
+    yield Hit(
+        c.line,
+        f"`{call_text(c)}` trains without packing: each batch is padded to its longest example. On short "
+        "examples most of a batch can be padding; packing fills each row with several examples instead.",
+        "packing=True in SFTConfig (TRL keeps the examples apart with position_ids when padding_free / flash "
+        "attention is on); first measure: `fitune doctor --data FILE --tokenizer DIR` prints the padding share "
+        "of dynamic padding vs packing",
+        "reasoned (not measured): at a fixed max_length packing does not change the per-step peak, it replaces "
+        "padding tokens with real ones; the share of padding depends on your data (fitune doctor --data)",
+    )
+
+
+def _mentions_input_ids(node: ast.AST) -> bool:
+    """`input_ids`, `x.input_ids`, `batch["input_ids"]`, but not a slice of them (a shift is legitimate)."""
+    if isinstance(node, ast.Subscript):  # batch["input_ids"] yes; input_ids[:, 1:] no
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "input_ids"
+    if isinstance(node, ast.Name):
+        return "input_ids" in node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr == "input_ids"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("clone", "copy"):
+        return _mentions_input_ids(node.func.value)
+    return False
+
+
+def _concatenates_inputs(ix: ScriptIndex, value: ast.AST | None) -> bool:
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        operands = _flatten_add(value)
+        return len(operands) > 1 and any(_mentions_input_ids(o) for o in operands)
+    if isinstance(value, ast.Call) and ix.dotted(value.func).rsplit(".", 1)[-1] in CONCAT_CALLS and value.args:
+        seq = value.args[0]
+        if isinstance(seq, (ast.List, ast.Tuple)) and len(seq.elts) > 1:
+            return any(_mentions_input_ids(e) for e in seq.elts)
+    return False
+
+
+def _flatten_add(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _flatten_add(node.left) + _flatten_add(node.right)
+    return [node]
+
+
+RULES = (pad_to_max_length, tokenize_without_truncation, labels_concatenate_inputs, sft_without_packing)
