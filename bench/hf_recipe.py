@@ -168,7 +168,7 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
             "lora_targets": targets if isinstance(targets, str) else ",".join(targets), "lora_rank": rank,
             "batch_size": batch, "seq_len_tokens": seq, "grad_checkpointing": "full" if ckpt else "none",
             "attn": attn, "dtype": "bf16", "optimizer": "adamw", "loss": "hf", "stack": "hf",
-            "model_only_allocated_bytes": base_allocated,
+            "model_only_allocated_bytes": base_allocated, "cap": CAP,
         }
         peft_model = None
         try:
@@ -209,6 +209,7 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
             record["peak_reserved_bytes"] = max(r for _, r in phase_peaks)
             last = peaks[-1]
             record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+            record["num_alloc_retries_total"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             record["ok"] = True
             del opt, ids, trainable
         except torch.OutOfMemoryError as exc:
@@ -239,6 +240,7 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
 
 
 _VERSIONS: dict | None = None
+CAP: str | None = None  # the --cap of this run, recorded in every line
 
 
 def _versions() -> dict:
@@ -269,11 +271,21 @@ def main() -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--cases", help="comma-separated case indices of the group(s) to run (default: all)")
     p.add_argument("--snapshot-all", action="store_true", help="write an allocation trace for every case run")
+    p.add_argument("--cap", help="limit PyTorch's allocator to this GPU's budget (e.g. rtx4090) for every case")
     args = p.parse_args()
     if args.list:
         for g, (_, _, cases) in GROUPS.items():
             print(g, len(cases))
         return 0
+    if args.cap:
+        import torch
+
+        global CAP
+        CAP = args.cap
+        from fitune.specs.gpu import resolve_gpu
+
+        budget = resolve_gpu(args.cap).allocator_budget_bytes
+        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
     for g in args.group or list(GROUPS):
         only = {int(c) for c in args.cases.split(",")} if args.cases else None
         run_group(g, args.out, args.snapshot_dir, args.steps, only, args.snapshot_all)

@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import doctor, estimate, profile
+from . import doctor, estimate, profile, train
 
-SUBCOMMANDS = (estimate, profile, doctor)
+SUBCOMMANDS = (estimate, profile, train, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,69 @@
+"""Issue 4 / 6 GPU record: `fitune train` on the seeds' case (Llama-3.1-8B-shaped, LoRA r8 q,v, bf16, 2 x 2048)
+under an RTX 4090's allocator budget, starting from the configuration that runs out of memory, so the OOM
+guard re-plans it; and the planner's top plan. Synthetic tokenizer and data (no downloads). Run on the GPU
+machine from the repository root:
+
+    PYTHONPATH=. python3 bench/train_seeds.py --out $OUT --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--runs", default="guard", help="comma list of: guard, ckpt, plan")
+    args = p.parse_args()
+    work = os.path.join(args.out, "work")
+    os.makedirs(work, exist_ok=True)
+    words = synthetic_words(4000)
+    tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
+    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=2100)
+    base = {"model": "llama-3.1-8b", "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
+            "method": "lora", "lora": {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]}, "dtype": "bf16",
+            "seq_len": 2048, "batch_size": 2, "grad_accum": 1, "max_steps": args.steps, "lr": 2e-4,
+            "schedule": "constant", "cap": "rtx4090", "attn": "sdpa"}
+    runs = {
+        "guard": {**base, "grad_checkpointing": "none"},   # runs out of memory; the guard re-plans
+        "ckpt": {**base, "grad_checkpointing": "full"},    # the recipe's own fix
+    }
+    if os.path.exists(os.path.join(args.out, "plan.yaml")):
+        import yaml
+
+        plan = yaml.safe_load(open(os.path.join(args.out, "plan.yaml")))
+        runs["plan"] = {**plan, "model": "llama-3.1-8b", "init": "random", "tokenizer": tok,
+                        "data": {"path": data, "format": "chat"}, "max_steps": args.steps, "cap": "rtx4090"}
+    for name in args.runs.split(","):
+        if name not in runs:
+            continue
+        cfg = {**runs[name], "output_dir": os.path.join(work, name)}
+        path = os.path.join(work, f"{name}.yaml")
+        import yaml
+
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]
+        print("###", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
+        lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        with open(os.path.join(args.out, f"train_{name}.jsonl"), "w") as f:
+            for line in lines:
+                f.write(json.dumps({"run": name, **line}) + "\n")
+        print(proc.stdout[-2000:], proc.stderr[-3000:], f"exit {proc.returncode}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Load the model and tokenizer for a TrainConfig and prepare them for its method (LoRA, QLoRA, full, freeze)."""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ConfigError
+from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def pick_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer or cfg.model
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc}); set `tokenizer:` to a folder "
+                          "holding tokenizer.json / tokenizer_config.json") from exc
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ConfigError(f"tokenizer {path}: it has neither a pad nor an eos token; add a pad token")
+        tok.pad_token = tok.eos_token  # padding positions carry label -100 and attention 0: any id will do
+    return tok
+
+
+def load_model(cfg: TrainConfig, device: str):
+    """The base model in the config's dtype and attention, quantised for QLoRA, on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    s = cfg.setup
+    dtype = getattr(torch, DTYPES["bf16" if s.method == "qlora" else s.dtype])
+    attn = "sdpa" if s.attn == "flash" else s.attn
+    if s.method == "qlora" and device != "cuda":
+        raise ConfigError("method: qlora needs a CUDA GPU (bitsandbytes NF4 kernels); use method: lora on this machine")
+    if cfg.init == "random":
+        from ..profile.hf_recipe import build_random_model, quantize_decoder_to_nf4
+        from ..specs.model import load_model_spec
+
+        spec = load_model_spec(cfg.model)
+        model = build_random_model(spec.hf_config, attn=attn, device=device,
+                                   dtype_name="bf16" if s.method == "qlora" else s.dtype)
+        if s.method == "qlora":
+            quantize_decoder_to_nf4(model)
+    else:
+        kwargs = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+        if s.method == "qlora":
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16)
+            kwargs["device_map"] = {"": 0}
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+        if s.method != "qlora":
+            model.to(device)
+    model.config.use_cache = False  # training: no KV cache
+    model.train()
+    return model
+
+
+def prepare_for_method(model, cfg: TrainConfig):
+    """Wrap with PEFT LoRA, or choose the trainable layers; turn on checkpointing as configured."""
+    from ..profile import hf_recipe
+
+    s = cfg.setup
+    if s.method in ("lora", "qlora"):
+        targets = "all-linear" if s.all_linear else list(s.lora_targets)
+        model = hf_recipe.wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha)
+    elif s.method == "freeze":
+        layers = hf_recipe._decoder_layers(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in list(layers)[-s.freeze_trainable_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    if s.grad_checkpointing != "none":
+        set_checkpointing(model, True)
+    return model
+
+
+def set_checkpointing(model, on: bool) -> None:
+    from ..profile import hf_recipe
+
+    if on:
+        hf_recipe.enable_checkpointing(model)
+    else:
+        hf_recipe.disable_checkpointing(model)
