@@ -120,6 +120,9 @@ class TrainSetup:
                 unknown = [t for t in self.lora_targets if t not in linear_names]
                 if unknown:
                     problems.append(f"--lora-targets {','.join(unknown)}: not a Linear of this model; it has {', '.join(linear_names)} (or use all-linear)")
+        if self.loss == "chunked" and self.stack == "hf":
+            problems.append("--loss chunked is a technique of fitune's runner; a plain transformers script computes "
+                            "full logits: use --stack fitune with it (or --loss hf)")
         if self.method == "qlora" and self.dtype == "fp32":
             problems.append("--method qlora computes in bf16/fp16; --dtype fp32 does not apply (use --dtype bf16)")
         if problems:

@@ -115,6 +115,12 @@ def test_injected_oom_is_survived_without_losing_or_repeating_data(workspace):
     assert [line["loss"] for line in lines] == pytest.approx([line["loss"] for line in _losses(ref.output_dir)], rel=1e-5)
 
 
+def test_chunked_loss_trains_like_the_plain_loss(workspace):
+    plain = train(_cfg(workspace, "plain", max_steps=4, eval_every=None), progress=False)
+    chunked = train(_cfg(workspace, "chunked", max_steps=4, eval_every=None, loss="chunked"), progress=False)
+    assert chunked.losses == pytest.approx(plain.losses, rel=1e-4)
+
+
 def test_config_errors_are_listed_together(workspace):
     root, model, data, _ = workspace
     with pytest.raises(ConfigError) as info:

@@ -59,14 +59,25 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
 
 
 def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
-    """Chunked linear + cross-entropy: per chunk, logits (model dtype), their fp32 copy and log-probs exist only
-    inside the chunk; the backward recomputes a chunk's logits and frees them before the next chunk.
-    Saves nothing per token beyond the hidden state (shared with the final norm's output).
+    """fitune's chunked linear + cross-entropy (fitune/train/techniques/chunked_loss.py).
+
+    Forward: the gradient with respect to the hidden states is computed along with the loss and kept
+    (act_bytes x hidden per token); per chunk of `chunk_tokens` tokens the model-dtype logits, their fp32 copy
+    (turned into the softmax gradient in place; Gemma's soft-cap keeps its tanh too), the cast back and the
+    chunk's hidden-gradient product exist, then go. Backward: the kept gradient times the upstream scalar.
+    Nothing of the size of the whole vocabulary x sequence is ever allocated.
     """
     V, w = model.vocab_size, act_bytes
     n = min(tokens, chunk_tokens)
-    chunk = ag.new((w + 2 * FP32) * V * n, False, "chunk logits", LOGITS)
-    ag.drop(chunk)
+    grad_h = ag.new(w * model.hidden_size * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
+    chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)
+    chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
+    ag.drop(chunk_bf16)
+    tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
+    cast = ag.new(w * V * n, False, "chunk gradient cast", LOGITS)
+    part = ag.new(w * model.hidden_size * n, False, "chunk d hidden", LOGITS)
+    ag.drop(chunk_fp32, tanh, cast, part)
     loss = ag.new(FP32, True, "loss", LOGITS)
-    ag.record(loss, [h], [h], [h.nbytes], extra_bytes=(w + 3 * FP32) * V * n, label="chunked_loss")
+    ag.record(loss, [h], [grad_h], [h.nbytes], label="chunked_loss")
+    ag.drop(grad_h)
     return loss

@@ -173,6 +173,7 @@ def config_from_dict(doc: dict, source: str = "config", overrides: dict | None =
         data = {}
     bad_data = sorted(set(data) - {"path", "format", "eval_path"})
     problems += [f"data.{k}: not a data key (known: path, format, eval_path)" for k in bad_data]
+    doc.setdefault("stack", "fitune")  # `fitune train` is fitune's runner
     try:
         _, setup = setup_from_config(doc, source)
     except (ConfigError, TypeError) as exc:

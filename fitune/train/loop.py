@@ -127,7 +127,7 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             batches = [stream.next_batch() for _ in range(s.grad_accum)]  # this step's data, fixed
             t0 = time.perf_counter()
             if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats()  # per-step peaks in metrics.jsonl
             loss = _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device)
             scheduler.step()
             step += 1
@@ -139,7 +139,8 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
                     "trained_tokens": sum(b.trained_tokens for b in batches), "tokens_per_s": tokens / dt,
                     "step_time_s": dt, "micro_batch_size": plan.micro_batch_size,
                     "grad_checkpointing": plan.grad_checkpointing,
-                    "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
+                    "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+                    "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None}
             if scaler is not None:
                 line["loss_scale"] = scaler.get_scale()
             metrics.write(json.dumps(line) + "\n")
@@ -205,7 +206,7 @@ def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, 
     for i, mb in enumerate(micro):
         if fault is not None:
             fault(step, i)
-        loss = _forward_loss(model, mb, num_items)
+        loss = _forward_loss(model, mb, num_items, cfg.setup.loss)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.item()
         del loss  # frees the graph's last references before the next micro-batch
@@ -226,7 +227,7 @@ def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, 
     return total
 
 
-def _forward_loss(model, mb, num_items: int):
+def _forward_loss(model, mb, num_items: int, loss_kind: str = "hf"):
     import torch
 
     device = next(model.parameters()).device
@@ -238,6 +239,11 @@ def _forward_loss(model, mb, num_items: int):
         kwargs["attention_mask"] = mb.attention_mask.to(device)
     if mb.position_ids is not None:
         kwargs["position_ids"] = mb.position_ids.to(device)
+    if loss_kind == "chunked":  # never materialise the whole sequence's logits
+        from .techniques.chunked_loss import causal_lm_chunked_loss
+
+        return causal_lm_chunked_loss(model, kwargs.pop("input_ids"), kwargs.pop("labels"),
+                                      num_items=kwargs.pop("num_items_in_batch"), **kwargs)
     return model(**kwargs).loss
 
 
@@ -324,7 +330,7 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     with torch.no_grad():
         for _ in range(n_batches):
             b = stream.next_batch()
-            loss = _forward_loss(model, b, 1)  # summed token loss (num_items = 1)
+            loss = _forward_loss(model, b, 1, cfg.setup.loss)  # summed token loss (num_items = 1)
             total += loss.item()
             tokens += b.trained_tokens
     if was_training:

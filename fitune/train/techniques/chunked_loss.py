@@ -1,0 +1,100 @@
+"""Chunked linear + cross-entropy: the loss of `hidden @ lm_head.T` without ever holding all the logits.
+
+transformers' loss materialises the logits of every token, upcasts them to fp32 and keeps the fp32 log-probs for
+backward: 12 bytes x vocabulary per token at the start of backward (5.87 GiB for Llama-3.1-8B at 2 x 2048 tokens,
+measured: bench/results/profile/seeds_ckpt_uncapped.json). Here the tokens are processed `chunk_tokens` at a
+time; for each chunk the logits are computed, turned into the loss and, in the same pass, into the gradient with
+respect to the hidden states (softmax - one-hot, the gradient of cross-entropy), and then dropped. Backward only
+scales the stored gradient. Memory: one chunk's logits plus the hidden states' gradient; compute: the same
+matmuls as the plain path (the technique of Liger Kernel's fused linear cross-entropy, written in PyTorch).
+
+Exact: the same loss and gradients as `cross_entropy(lm_head(h).float(), labels, reduction="sum") / num_items`
+up to float rounding (tests/test_chunked_loss.py compares forward and backward with the plain computation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+CHUNK_TOKENS = 1024  # fitune.memory.loss.CHUNK_TOKENS models the same chunk
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, num_items, chunk_tokens, softcap):
+        n_tokens = hidden.shape[0]
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            h = hidden[start:end]
+            y = labels[start:end]
+            logits = (h @ weight.t()).float()  # the model-dtype logits die here: only fp32 stays
+            if softcap:
+                t = torch.tanh(logits / softcap)
+                logits = t * softcap
+            valid = y != IGNORE_INDEX
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            total += ((lse - picked) * valid).sum()
+            if not (need_h or need_w):
+                continue
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(end - start, device=grad.device), safe_y] -= valid.to(grad.dtype)
+            grad *= valid[:, None].to(grad.dtype)
+            if softcap:
+                grad *= 1 - t * t  # d(cap * tanh(x / cap)) / dx
+                del t
+            grad /= num_items
+            g = grad.to(weight.dtype)
+            del grad
+            if need_h:
+                grad_hidden[start:end] = g @ weight
+            if need_w:
+                grad_weight += (g.t() @ h).float()
+            del g
+        ctx.save_for_backward(grad_hidden if need_h else None, grad_weight if need_w else None)
+        ctx.weight_dtype = weight.dtype
+        return total / num_items
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 num_items: int | torch.Tensor | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                                 softcap: float | None = None) -> torch.Tensor:
+    """Causal-LM loss of `hidden` (batch, seq, h) through `weight` (vocab, h) against `labels` (batch, seq).
+
+    Labels are shifted as transformers does (position t predicts labels[t + 1]); -100 is ignored. The loss is
+    the sum over predicted tokens divided by `num_items` (default: their count), as `ForCausalLMLoss` with
+    `num_items_in_batch`.
+    """
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = shifted.reshape(-1).to(hidden.device)
+    if num_items is None:
+        num_items = int((flat_y != IGNORE_INDEX).sum().item())
+    num = torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device).clamp_min(1)
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap)
+
+
+def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_tokens: int = CHUNK_TOKENS, **inputs):
+    """Run a (PEFT-wrapped) transformers causal LM's decoder and take the chunked loss through its lm_head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    out = decoder(input_ids=input_ids, **inputs)
+    head = base.get_output_embeddings()
+    softcap = getattr(base.config, "final_logit_softcapping", None)
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the chunked loss supports lm_heads without bias (every catalog model)")
+    return chunked_linear_cross_entropy(out.last_hidden_state, head.weight, labels, num_items, chunk_tokens, softcap)
