@@ -23,27 +23,33 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--runs", default="guard", help="comma list of: guard, ckpt, plan")
+    p.add_argument("--runs", default="guard", help="comma list of: guard, ckpt, chunked, plan")
+    p.add_argument("--model", default="llama-3.1-8b", help="catalog model or config.json (random weights)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--cap", default="rtx4090")
     args = p.parse_args()
     work = os.path.join(args.out, "work")
     os.makedirs(work, exist_ok=True)
-    words = synthetic_words(4000)
+    from fitune.specs.model import load_model_spec
+
+    words = synthetic_words(min(4000, load_model_spec(args.model).vocab_size - 16))
     tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
-    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=2100)
-    base = {"model": "llama-3.1-8b", "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
+    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=args.seq_len + 50)
+    base = {"model": args.model, "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
             "method": "lora", "lora": {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]}, "dtype": "bf16",
-            "seq_len": 2048, "batch_size": 2, "grad_accum": 1, "max_steps": args.steps, "lr": 2e-4,
-            "schedule": "constant", "cap": "rtx4090", "attn": "sdpa"}
+            "seq_len": args.seq_len, "batch_size": 2, "grad_accum": 1, "max_steps": args.steps, "lr": 2e-4,
+            "schedule": "constant", "cap": args.cap, "attn": "sdpa"}
     runs = {
         "guard": {**base, "grad_checkpointing": "none"},   # runs out of memory; the guard re-plans
         "ckpt": {**base, "grad_checkpointing": "full"},    # the recipe's own fix
+        "chunked": {**base, "grad_checkpointing": "full", "loss": "chunked"},  # + fitune's chunked loss
     }
     if os.path.exists(os.path.join(args.out, "plan.yaml")):
         import yaml
 
         plan = yaml.safe_load(open(os.path.join(args.out, "plan.yaml")))
-        runs["plan"] = {**plan, "model": "llama-3.1-8b", "init": "random", "tokenizer": tok,
-                        "data": {"path": data, "format": "chat"}, "max_steps": args.steps, "cap": "rtx4090"}
+        runs["plan"] = {**plan, "model": args.model, "init": "random", "tokenizer": tok,
+                        "data": {"path": data, "format": "chat"}, "max_steps": args.steps, "cap": args.cap}
     for name in args.runs.split(","):
         if name not in runs:
             continue

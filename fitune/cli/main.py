@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import doctor, estimate, profile, train
+from . import doctor, estimate, plan, profile, train
 
-SUBCOMMANDS = (estimate, profile, train, doctor)
+SUBCOMMANDS = (estimate, plan, profile, train, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,6 +93,10 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
 
     # ---- model, optimizer, schedule ------------------------------------------------------------------------
     model = prepare_for_method(load_model(cfg, device), cfg)
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "
+                          f"has {vocab} rows; use the model's own tokenizer")
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(cfg, trainable)
     scheduler = _scheduler(cfg, optimizer, total_steps)

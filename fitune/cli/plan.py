@@ -1,0 +1,292 @@
+"""`fitune plan`: the fastest training setup that fits the GPU, and why the faster ones do not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import ConfigError, DoesNotFitError
+from ..setup import DEFAULT_SETUP, parse_targets
+from ..units import GiB, parse_memory_bytes
+
+DESCRIPTION = """\
+Search the training setups of MODEL that fit the GPU and rank them by predicted speed.
+
+The search varies the method (--method; LoRA and QLoRA by default), the micro-batch and gradient accumulation
+(their product stays the batch you ask for), activation checkpointing, attention and optimizer; with --data the
+sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
+packing is turned on when it removes at least 10 % of the padding. LoRA rank and targets stay as you give them.
+Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
+the full estimate), speed a model calibrated on 45 measured H200 steps (docs/plan.md).
+
+Output: the ranked plans (memory, predicted tokens/s, what each turns on), one line for each faster option that
+does not fit, and when nothing fits: the smallest requirement and the changes that would fit.
+
+exit codes: 0 plans found, 2 bad input or nothing fits (the report says what would).
+
+examples:
+  fitune plan llama-3.1-8b --gpu rtx4090 --seq-len 2048 --batch-size 2
+  fitune plan qwen2.5-7b --gpu 23.4GiB --method lora,qlora,full --lora-targets all-linear --lora-rank 16
+  fitune plan ./Llama-3.1-8B --gpu rtx3090 --data train.jsonl --write plan.yaml   # then: fitune train plan.yaml
+  fitune plan llama-3.1-8b --gpu rtx4090 --emit hf > train.py
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    d = DEFAULT_SETUP
+    p = subparsers.add_parser("plan", help="find the fastest training setup that fits a GPU",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="catalog name, config.json, or model folder")
+    p.add_argument("--gpu", required=True, metavar="NAME|NGiB",
+                   help="a catalog GPU (rtx4090, a100-80gb, ...: fitune estimate --list-gpus) or the memory PyTorch "
+                   "may use, e.g. 23.4GiB")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="data parallel over N GPUs: each holds a full copy and takes batch / N (default 1)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len_tokens,
+                   help=f"tokens per sequence; with --data, the most it may be (default {d.seq_len_tokens})")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all GPUs together "
+                       f"(default {d.batch_size})")
+    batch.add_argument("--tokens-per-step", type=int, metavar="N", help="tokens per optimizer step; the batch is "
+                       "N / seq-len sequences")
+    p.add_argument("--data", metavar="FILE", help="training data (.jsonl / .json / .parquet): its token lengths set "
+                   "the sequence length and packing (needs --tokenizer unless MODEL is a folder; imports transformers)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for --data (default: the MODEL folder)")
+    p.add_argument("--method", default="lora,qlora",
+                   help="methods to consider, comma-separated: lora, qlora, full, freeze (default lora,qlora)")
+    p.add_argument("--no-quantize", action="store_true", help="leave out QLoRA (4-bit base weights)")
+    p.add_argument("--host-ram", metavar="NGiB", help="host memory: methods whose loading needs more are left out")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA rank r, kept as given (default {d.lora_rank})")
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha})")
+    p.add_argument("--lora-targets", default=",".join(d.lora_targets),
+                   help="modules LoRA wraps, comma-separated, or all-linear; kept as given (default q_proj,v_proj)")
+    p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
+    p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config")
+    p.add_argument("--emit", choices=("hf",), help="print the best plan as Hugging Face transformers + PEFT code")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    import time
+
+    from ..plan import PlanRequest, plan
+    from ..plan.emit import hf_code, plan_yaml
+    from ..specs.gpu import resolve_gpu
+    from ..specs.model import load_model_spec, model_catalog
+
+    t0 = time.perf_counter()
+    model = load_model_spec(args.model)
+    gpu = resolve_gpu(args.gpu)
+    methods = tuple(m.strip() for m in args.method.split(",") if m.strip())
+    if args.no_quantize:
+        methods = tuple(m for m in methods if m != "qlora")
+    host_ram = None
+    if args.host_ram:
+        host_ram = parse_memory_bytes(args.host_ram)
+        if host_ram is None:
+            raise ConfigError(f"--host-ram {args.host_ram}: write a 1024-based amount, e.g. 64GiB")
+    data, seq_len, data_notes = None, args.seq_len, []
+    if args.data:
+        data, seq_len, data_notes = _read_data(args, model)
+    batch_size, batch_notes = _batch_size(args, seq_len)
+    req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
+                      methods=methods, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                      lora_targets=parse_targets(args.lora_targets), attns=available_attns(),
+                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram,
+                      data=data, top=args.top)
+    result = plan(req)
+    elapsed = time.perf_counter() - t0
+    notes = data_notes + batch_notes
+    hf_id = model_catalog().get(args.model.strip().lower(), {}).get("hf_id")
+
+    if args.write and result.plans:
+        text = plan_yaml(result.plans[0], req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(text)
+    if args.json:
+        doc = result_to_json(result, elapsed, notes)
+        if args.write and result.plans:
+            doc["written"] = args.write
+        if args.emit == "hf" and result.plans:
+            doc["hf_code"] = hf_code(result.plans[0], req, args.model, hf_id, args.data)
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return 0 if result.plans else DoesNotFitError.exit_code
+    if not result.plans:
+        raise DoesNotFitError("nothing fits " + format_result(result, elapsed, notes))
+    if args.emit == "hf":
+        print(hf_code(result.plans[0], req, args.model, hf_id, args.data), end="")
+        return 0
+    print(format_result(result, elapsed, notes))
+    if args.write:
+        print(f"\nwrote {args.write}: run it with `fitune train {args.write}`" + _write_caveats(args))
+    return 0
+
+
+def available_attns() -> tuple[str, ...]:
+    """sdpa and eager always; flash when flash-attn is installed (found without importing it)."""
+    import importlib.util
+
+    return ("sdpa", "eager") + (("flash",) if importlib.util.find_spec("flash_attn") is not None else ())
+
+
+def _command() -> str:
+    return "fitune " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fitune") else "fitune plan"
+
+
+def _write_caveats(args) -> str:
+    from ..plan.emit import PLACEHOLDER_DATA, model_location
+
+    out = []
+    if not model_location(args.model)[1]:
+        out.append(f"set `model:` to a local folder of {args.model} (fitune train loads pretrained weights from a folder)")
+    if not args.data:
+        out.append(f"`data.path: {PLACEHOLDER_DATA}` must exist")
+    return "".join(f"\n  before that: {x}" for x in out)
+
+
+def _batch_size(args, seq_len: int) -> tuple[int, list[str]]:
+    if args.tokens_per_step is None:
+        return (args.batch_size if args.batch_size is not None else DEFAULT_SETUP.batch_size), []
+    if args.tokens_per_step < 1:
+        raise ConfigError(f"--tokens-per-step must be a positive integer, got {args.tokens_per_step}")
+    batch = max(1, round(args.tokens_per_step / seq_len))
+    notes = []
+    if batch * seq_len != args.tokens_per_step:
+        notes.append(f"--tokens-per-step {args.tokens_per_step:,}: {batch} sequences of {seq_len} = "
+                     f"{batch * seq_len:,} tokens per step (the nearest whole batch)")
+    return batch, notes
+
+
+def _read_data(args, model):
+    import os
+
+    from ..plan.data import choose_seq_len, profile_data
+
+    tokenizer = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
+    if tokenizer is None:
+        raise ConfigError(f"--data needs --tokenizer DIR (a folder with tokenizer.json); {args.model} is not a model "
+                          "folder to take it from")
+    if not os.path.exists(args.data):
+        raise ConfigError(f"--data {args.data}: no such file")
+    profile = profile_data(args.data, tokenizer)
+    seq, truncated = choose_seq_len(profile, args.seq_len)
+    notes = [f"--data {args.data}: {profile.examples:,} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
+             f"{profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,} -> --seq-len {seq}"
+             + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]
+    return profile, seq, notes
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_result(result, elapsed_s: float, notes=()) -> str:
+    from ..plan.search import describe
+
+    req = result.request
+    g = req.gpu
+    lines = [("fitune plan: " if result.plans else "") + f"{req.model.name} on {g.name} "
+             f"({_gib(g.allocator_budget_bytes)} for PyTorch's allocator)" + (f" x {req.num_gpus}" if req.num_gpus > 1 else ""),
+             f"  {req.batch_size} x {req.seq_len_tokens} tokens per step, {req.dtype}; LoRA r{req.lora_rank} on "
+             f"{','.join(req.lora_targets)} kept as given; searched {result.searched} setups "
+             f"({result.estimated_fast} extrapolated + {result.estimated_full} full estimates) in {elapsed_s:.2f} s"]
+    if result.plans:
+        lines.append("")
+        lines.append(f"  {'#':>2} {'tokens/s':>9s} {'allocated':>10s} {'reserved':>10s}   plan")
+        for i, p in enumerate(result.plans, 1):
+            flag = "!" if p.retries_expected else " "
+            lines.append(f"  {i:>2} {p.trained_tokens_per_s:>9,.0f} {_gib(p.peak_allocated_bytes):>10s} "
+                         f"{_gib(p.peak_reserved_bytes):>10s} {flag} {describe(p.setup)}" + (", packing" if p.packing else ""))
+            lines.append(f"      turns on: {'; '.join(p.turns_on) if p.turns_on else 'nothing (the plain setup fits)'}")
+            if p.retries_expected:
+                lines.append("      ! the reserved peak is over the budget: expect allocator retries (slower; a "
+                             "fragmented cache can still fail)")
+            if p.requires:
+                lines.append(f"      needs: {', '.join(p.requires)}")
+    if result.rejected:
+        lines.append("")
+        lines.append("  does not fit:")
+        lines += [f"    {r.message}" for r in result.rejected]
+    if not result.plans and result.minimum is not None:
+        m = result.minimum
+        lines.append("")
+        lines.append(f"  the smallest requirement: {_gib(m.peak_allocated_bytes)} allocated, {_gib(m.peak_reserved_bytes)} "
+                     f"reserved ({describe(m.setup)}) > {_gib(g.allocator_budget_bytes)}")
+        if result.changes:
+            lines.append("  changes that would fit:")
+            for c in result.changes:
+                tag = "" if c.runnable else " [not runnable by fitune train today]"
+                retries = "; allocator retries expected" if c.fits and c.retries_expected else ""
+                need = _gib(c.peak_allocated_bytes) if c.fits else "no fit"
+                lines.append(f"    {c.change:36s} {need:>10s}  {c.why}{retries}{tag}")
+    for n in list(notes) + list(result.notes):
+        lines.append(f"  note: {n}")
+    if result.plans:
+        lines.append("  next: add --write plan.yaml (then `fitune train plan.yaml`) or --emit hf for your own script")
+    return "\n".join(lines)
+
+
+def result_to_json(result, elapsed_s: float, notes=()) -> dict:
+    """The stable --json document (docs/plan.md, "JSON output")."""
+    req = result.request
+    doc = {
+        "model": req.model.name,
+        "gpu": {"name": req.gpu.name, "total_bytes": req.gpu.total_bytes,
+                "allocator_budget_bytes": req.gpu.allocator_budget_bytes},
+        "num_gpus": req.num_gpus,
+        "request": {"seq_len_tokens": req.seq_len_tokens, "batch_size": req.batch_size,
+                    "per_gpu_batch_size": req.per_gpu_batch, "tokens_per_step": req.batch_size * req.seq_len_tokens,
+                    "methods": list(req.methods), "lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha,
+                    "lora_targets": list(req.lora_targets), "dtype": req.dtype,
+                    "host_ram_bytes": req.host_ram_bytes},
+        "plans": [plan_to_json(p, i) for i, p in enumerate(result.plans, 1)],
+        "rejected": [{"option": r.option, "reason": r.reason, "message": r.message,
+                      "peak_allocated_bytes": r.peak_allocated_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
+                      "budget_bytes": r.budget_bytes} for r in result.rejected],
+        "fits": bool(result.plans),
+        "minimum": None,
+        "changes": [{"change": c.change, "why": c.why, "peak_allocated_bytes": c.peak_allocated_bytes, "fits": c.fits,
+                     "retries_expected": c.retries_expected, "runnable": c.runnable} for c in result.changes],
+        "search": {"setups": result.searched, "estimated_extrapolated": result.estimated_fast,
+                   "estimated_full": result.estimated_full, "seconds": round(elapsed_s, 3)},
+        "notes": list(notes) + list(result.notes),
+    }
+    if req.data is not None:
+        d = req.data
+        doc["data"] = {"path": d.path, "examples": d.examples, "mean_tokens": round(d.mean_tokens, 1),
+                       "p99_tokens": d.percentile_tokens(0.99), "max_tokens": d.max_tokens, "tokenized_by": d.source}
+    if result.minimum is not None:
+        m = result.minimum
+        doc["minimum"] = {"setup": m.setup.to_dict(), "peak_allocated_bytes": m.peak_allocated_bytes,
+                          "peak_reserved_bytes": m.peak_reserved_bytes}
+    return doc
+
+
+def plan_to_json(p, rank: int) -> dict:
+    return {
+        "rank": rank,
+        "setup": p.setup.to_dict(),
+        "micro_batch_size": p.setup.batch_size,
+        "grad_accum": p.setup.grad_accum,
+        "packing": p.packing,
+        "peak_allocated_bytes": p.peak_allocated_bytes,
+        "peak_reserved_bytes": p.peak_reserved_bytes,
+        "budget_bytes": p.budget_bytes,
+        "headroom_bytes": p.headroom_bytes,
+        "fits": True,
+        "retries_expected": p.retries_expected,
+        "breakdown": dict(p.breakdown),
+        "step_time_s": round(p.step_time_s, 4),
+        "tokens_per_s": round(p.tokens_per_s, 1),
+        "trained_tokens_per_s": round(p.trained_tokens_per_s, 1),
+        "turns_on": list(p.turns_on),
+        "requires": list(p.requires),
+        "runnable": True,
+    }

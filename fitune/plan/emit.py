@@ -1,0 +1,200 @@
+"""A plan in the two forms users run: a `fitune train` config (YAML) and the equivalent Hugging Face code.
+
+The YAML is `TrainConfig.to_dict()` of the plan (so its keys are the runner's own), written without PyYAML;
+tests/test_plan.py reads it back with PyYAML and passes it to `fitune.train.config.config_from_dict`.
+The Hugging Face code mirrors what the plan was estimated as (fitune's runner = the HF recipe of
+fitune/profile/hf_recipe.py): bf16 weights (or NF4 with double quantisation for QLoRA), LoRA dropout 0, non-reentrant
+checkpointing, `use_cache=False`, no `prepare_model_for_kbit_training` (it upcasts the non-quantised weights to
+fp32, which the estimate does not include).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from ..setup import TrainSetup
+from .search import Plan, PlanRequest, describe
+
+#: Learning rates written into a plan: common starting points, not tuned (LoRA: the QLoRA paper's 2e-4 for 7B
+#: models; full fine-tuning: 1e-5). The user's to change.
+LORA_LR = 2.0e-4
+FULL_LR = 1.0e-5
+#: When --data is not given: the path the written config points at (it must exist before `fitune train`).
+PLACEHOLDER_DATA = "train.jsonl"
+
+#: fitune optimizer names -> transformers' TrainingArguments(optim=...) names.
+HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit",
+            "adafactor": "adafactor", "sgd": "sgd"}
+HF_ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+
+_YAML_ORDER = ("model", "init", "tokenizer", "data", "method", "lora", "freeze_trainable_layers", "dtype", "seq_len",
+               "batch_size", "grad_accum", "grad_checkpointing", "attn", "optimizer", "loss", "stack", "packing",
+               "epochs", "max_steps", "lr")
+
+
+def model_location(model_arg: str) -> tuple[str, bool]:
+    """(what `model:` should say, whether it is a folder the runner can load pretrained weights from)."""
+    if os.path.isdir(model_arg):
+        return model_arg, True
+    if os.path.isfile(model_arg):  # a config.json: its folder holds the weights, if anywhere
+        folder = os.path.dirname(model_arg) or "."
+        return folder, True
+    return model_arg, False
+
+
+def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | None = None,
+                 tokenizer: str | None = None) -> dict:
+    """The `fitune train` config of `plan` as a mapping (TrainConfig.to_dict(), keys in reading order).
+
+    With --gpus N the config is the single-GPU equivalent (fitune train runs one GPU): the same micro-batch and
+    N times the accumulation, so the effective batch is unchanged.
+    """
+    from ..train.config import DataConfig, TrainConfig
+
+    s = plan.setup.replace(grad_accum=plan.setup.grad_accum * plan.num_gpus)
+    model, _ = model_location(model_arg)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(os.path.normpath(model))) or "model"
+    cfg = TrainConfig(model=model, setup=s, data=DataConfig(path=data_path or PLACEHOLDER_DATA),
+                      output_dir=f"runs/{name}-{s.method}", tokenizer=tokenizer, epochs=1,
+                      lr=LORA_LR if s.method in ("lora", "qlora") else FULL_LR, packing=plan.packing)
+    doc = cfg.to_dict()
+    return {k: doc[k] for k in sorted(doc, key=lambda k: (_YAML_ORDER.index(k) if k in _YAML_ORDER else 99))}
+
+
+def to_yaml(doc: dict, comments: list[str] = ()) -> str:
+    """Block YAML for a flat mapping whose values are scalars, lists of scalars or one-level mappings."""
+    lines = [f"# {c}" if c else "#" for c in comments]
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {_yaml_value(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {_yaml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        text = repr(v)
+        if "e" in text and "." not in text.split("e")[0]:  # PyYAML (YAML 1.1) reads 1e-05 as a string
+            mantissa, exp = text.split("e")
+            text = f"{mantissa}.0e{exp}"
+        return text
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_yaml_value(x) for x in v) + "]"
+    text = str(v)
+    plain = re.fullmatch(r"[A-Za-z_./][A-Za-z0-9_./-]*", text) and text.lower() not in (
+        "true", "false", "yes", "no", "on", "off", "null", "~")
+    return text if plain else json.dumps(text)
+
+
+def plan_yaml(plan: Plan, req: PlanRequest, model_arg: str, command: str, data_path: str | None = None,
+              tokenizer: str | None = None) -> str:
+    """The config file `--write` saves: the plan's header comments and the runner's keys."""
+    from ..units import GiB
+
+    doc = train_config(plan, req, model_arg, data_path, tokenizer)
+    _, is_folder = model_location(model_arg)
+    comments = [
+        f"written by: {command}",
+        f"plan: {describe(plan.setup)}" + (", packing" if plan.packing else ""),
+        f"estimate: {plan.peak_allocated_bytes / GiB:.2f} GiB allocated, {plan.peak_reserved_bytes / GiB:.2f} GiB "
+        f"reserved of {plan.budget_bytes / GiB:.2f} GiB on {req.gpu.name}; predicted {plan.trained_tokens_per_s:,.0f} "
+        "tokens/s",
+    ]
+    if plan.num_gpus > 1:
+        comments.append(f"--gpus {plan.num_gpus}: fitune train runs one GPU, so this is the same effective batch on one "
+                        f"(grad_accum x {plan.num_gpus}); for data parallel use --emit hf with torchrun")
+    if not is_folder:
+        comments.append(f"model: {model_arg} is a catalog name; fitune train loads pretrained weights from a folder: "
+                        "download the model and set `model:` to it (or add `init: random` and `tokenizer:` for a "
+                        "smoke run)")
+    if not data_path:
+        comments.append(f"data.path: {PLACEHOLDER_DATA} must exist (JSONL of chat, prompt/completion or text records)")
+    comments.append("lr and epochs are starting points, not tuned")
+    return to_yaml(doc, comments)
+
+
+def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = None, data_path: str | None = None) -> str:
+    """Python that trains the plan with transformers' Trainer + PEFT (the user's own script, same memory)."""
+    s: TrainSetup = plan.setup
+    model_ref = hf_id or model_location(model_arg)[0]
+    dtype = "torch.bfloat16" if s.dtype == "bf16" or s.method == "qlora" else (
+        "torch.float16" if s.dtype == "fp16" else "torch.float32")
+    imports = ["from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments"]
+    if s.method == "qlora":
+        imports[0] = ("from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Trainer, "
+                      "TrainingArguments")
+    if s.method in ("lora", "qlora"):
+        imports.append("from peft import LoraConfig, get_peft_model")
+    load = [f"model = AutoModelForCausalLM.from_pretrained(",
+            f"    {json.dumps(model_ref)},",
+            f"    dtype={dtype},",
+            f"    attn_implementation={json.dumps(HF_ATTN[s.attn])},"]
+    if s.method == "qlora":
+        load += ["    quantization_config=BitsAndBytesConfig(",
+                 '        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
+                 "        bnb_4bit_compute_dtype=torch.bfloat16,",
+                 "    ),",
+                 '    device_map={"": 0},']
+    load.append(")")
+    body = [f"# fitune plan: {describe(s)}" + (", packing" if plan.packing else ""),
+            f"# estimate: {plan.peak_allocated_bytes / 2**30:.2f} GiB allocated, {plan.peak_reserved_bytes / 2**30:.2f} GiB "
+            f"reserved of {plan.budget_bytes / 2**30:.2f} GiB ({req.gpu.name}); predicted "
+            f"{plan.trained_tokens_per_s:,.0f} tokens/s"]
+    if plan.num_gpus > 1:
+        body.append(f"# data parallel: torchrun --nproc_per_node {plan.num_gpus} this_script.py "
+                    "(each GPU holds a full copy)")
+    if plan.requires:
+        body.append(f"# needs: {', '.join(plan.requires)}")
+    body += ["import torch", *imports, ""]
+    body += load
+    body.append("model.config.use_cache = False  # no KV cache in training")
+    if s.method in ("lora", "qlora"):
+        targets = "all-linear" if s.all_linear else list(s.lora_targets)
+        body += ["model = get_peft_model(model, LoraConfig(",
+                 f"    r={s.lora_rank}, lora_alpha={s.lora_alpha}, target_modules={json.dumps(targets)}, lora_dropout=0.0,",
+                 '    task_type="CAUSAL_LM",',
+                 "))"]
+    elif s.method == "freeze":
+        body += ["for p in model.parameters():",
+                 "    p.requires_grad_(False)",
+                 f"for layer in model.model.layers[-{s.freeze_trainable_layers}:]:  # the last layers train",
+                 "    for p in layer.parameters():",
+                 "        p.requires_grad_(True)"]
+    body += ["",
+             f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(model_ref)})",
+             f"# train_dataset: tokenized examples (input_ids, labels) of at most {s.seq_len_tokens} tokens"
+             + (f", from {data_path}" if data_path else "")
+             + ("; packed into rows of that length (e.g. TRL SFTConfig(packing=True))" if plan.packing else ""),
+             "train_dataset = ...",
+             "",
+             "args = TrainingArguments(",
+             f"    output_dir={json.dumps('runs/' + s.method)},",
+             f"    per_device_train_batch_size={s.batch_size},",
+             f"    gradient_accumulation_steps={s.grad_accum},"]
+    if s.grad_checkpointing != "none":
+        body += ["    gradient_checkpointing=True,",
+                 '    gradient_checkpointing_kwargs={"use_reentrant": False},']
+    if s.dtype == "bf16" or s.method == "qlora":
+        body.append("    bf16=True,")
+    elif s.dtype == "fp16":
+        body.append("    fp16=True,")
+    body += [f"    optim={json.dumps(HF_OPTIM[s.optimizer])},",
+             f"    learning_rate={LORA_LR if s.method in ('lora', 'qlora') else FULL_LR!r},",
+             "    num_train_epochs=1,",
+             "    logging_steps=1,",
+             ")",
+             "trainer = Trainer(model=model, args=args, train_dataset=train_dataset)",
+             "trainer.train()",
+             ""]
+    return "\n".join(body)
+

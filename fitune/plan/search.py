@@ -1,0 +1,601 @@
+"""`plan()`: the fastest training setups that fit a GPU, and why the faster ones do not.
+
+The space: method (from the request) x micro-batch (every divisor of the per-GPU batch, the rest as gradient
+accumulation: the effective batch never changes) x activation checkpointing (none | full: what fitune's runner
+runs) x attention x loss (transformers' or the chunked one) x optimizer; packing is decided from the data. LoRA rank and targets are the user's and never
+change.
+
+How it stays fast (an 8B model answers in well under a second):
+1. every setup's speed is predicted first (throughput.py: arithmetic only), and setups are visited fastest first;
+2. memory order prunes: a setup that needs at least as much memory as one that did not fit (larger micro-batch,
+   no checkpointing, eager instead of sdpa, LoRA instead of QLoRA...) is not estimated, and neither is one that is
+   both slower and no lighter than a plan already found (it could never be chosen);
+3. the optimizer is picked per setup in order of preference (adamw, then 8-bit AdamW - the same update with
+   quantised states - then adafactor and sgd, which change the training) and only while it could make a
+   difference: when the peak without any optimizer state is over the budget, no optimizer will fit;
+4. memory is estimated on 2- and 3-layer models and extrapolated (fast.py); the fastest candidates (the first
+   `top`, and more until one runs without allocator retries) are confirmed with the full estimate, whose verdicts
+   (fits, allocator retries) the returned plans carry.
+
+Ranking: plans without allocator retries first; then plans that keep the Adam update; then predicted tokens/s.
+The list holds the best plan of each method asked for (when it fits), then the next fastest.
+Alternatives whose predicted speeds are within 1 % count as equally fast (the throughput model cannot tell them
+apart) and the one with fewer changes from the defaults wins.
+
+Pure Python, no torch import.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..memory import weights as weight_terms
+from ..setup import DEFAULT_SETUP, TrainSetup
+from ..specs.gpu import GpuSpec, catalog_gpu_names, resolve_gpu
+from ..specs.model import ModelSpec
+from ..units import GiB
+from . import throughput
+from .data import DataProfile, batching, packing_pays
+from .fast import FastEstimate, FastEstimator
+
+#: Optimizers in order of preference: the first three make the same Adam update (8-bit states quantise it);
+#: adafactor and sgd change the training, so they rank after every Adam plan.
+OPTIMIZER_PREFERENCE = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+ADAM_FAMILY = ("adamw", "adamw8bit", "paged_adamw8bit")
+#: Optimizers from lightest to heaviest state in PyTorch's allocator (paged states live in managed memory).
+OPTIMIZER_BY_MEMORY = ("sgd", "paged_adamw8bit", "adafactor", "adamw8bit", "adamw")
+#: Checkpointing modes fitune's runner runs today; offload and selective:K are estimable only.
+RUNNABLE_CHECKPOINTING = ("none", "full")
+#: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
+RUNNABLE_LOSSES = ("hf", "chunked")
+_LOSS_MEMORY = {"chunked": 0, "hf": 1}
+DEFAULT_METHODS = ("lora", "qlora")
+DEFAULT_ATTNS = ("sdpa", "eager")
+#: Handicap on the predicted speed per non-default choice (eager attention): the model cannot resolve 1 %.
+SPEED_TIE = 0.01
+
+_METHOD_MEMORY = {"qlora": 0, "lora": 1, "full": 2}  # freeze is not ordered against the others
+_CKPT_MEMORY = {"offload": -1, "full": 0, "none": 1}
+_ATTN_MEMORY = {"sdpa": 0, "eager": 1}  # flash is compared only with itself
+METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked: the model, the GPU(s), the sequence and the effective batch; what may vary."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    seq_len_tokens: int = DEFAULT_SETUP.seq_len_tokens
+    """Tokens per sequence (after --data has set it from the token lengths)."""
+    batch_size: int = DEFAULT_SETUP.batch_size
+    """Sequences per optimizer step over all GPUs: micro-batch x grad_accum x num_gpus."""
+    num_gpus: int = 1
+    """Data parallel: each GPU holds a full copy and takes batch_size / num_gpus sequences per step."""
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    lora_rank: int = DEFAULT_SETUP.lora_rank
+    lora_alpha: int = DEFAULT_SETUP.lora_alpha
+    lora_targets: tuple[str, ...] = DEFAULT_SETUP.lora_targets
+    freeze_trainable_layers: int = DEFAULT_SETUP.freeze_trainable_layers
+    attns: tuple[str, ...] = DEFAULT_ATTNS
+    """Attention implementations to consider (flash only when flash-attn is installed)."""
+    optimizers: tuple[str, ...] = OPTIMIZER_PREFERENCE
+    losses: tuple[str, ...] = RUNNABLE_LOSSES
+    """Losses to consider: hf (transformers') and chunked (fitune's runner)."""
+    allow_quantize: bool = True
+    """False (--no-quantize): QLoRA is never suggested, even when nothing else fits."""
+    host_ram_bytes: int | None = None
+    """Host memory, bytes: the runner loads bf16 weights on the CPU first (QLoRA streams them to the GPU)."""
+    data: DataProfile | None = None
+    top: int = 3
+    """Plans to return (each confirmed with the full estimate)."""
+
+    @property
+    def dtype(self) -> str:
+        return "bf16" if self.gpu.supports_bf16 else "fp16"
+
+    @property
+    def per_gpu_batch(self) -> int:
+        return self.batch_size // self.num_gpus
+
+    def validate(self) -> "PlanRequest":
+        problems = []
+        for flag, v in (("--seq-len", self.seq_len_tokens), ("--batch-size", self.batch_size), ("--gpus", self.num_gpus),
+                        ("--top", self.top)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"{flag} must be a positive integer, got {v!r}")
+        if not problems and self.batch_size % self.num_gpus:
+            problems.append(f"--batch-size {self.batch_size} does not split over --gpus {self.num_gpus}: data parallel "
+                            f"gives each GPU batch / N sequences; use a multiple of {self.num_gpus}")
+        unknown = [m for m in self.methods if m not in _METHOD_MEMORY and m != "freeze"]
+        if unknown:
+            problems.append(f"--method {','.join(unknown)}: not a method; choose from lora, qlora, full, freeze")
+        if not self.methods:
+            problems.append("--method is empty (and --no-quantize leaves nothing): name lora, qlora, full or freeze")
+        if problems:
+            raise ConfigError(problems)
+        TrainSetup(method="lora", lora_rank=self.lora_rank, lora_targets=self.lora_targets).validate(
+            num_layers=self.model.num_layers, hidden_size=self.model.hidden_size,
+            linear_names=self.model.linear_names())
+        return self
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One runnable setup that fits, with its memory and predicted speed."""
+
+    setup: TrainSetup
+    """Per GPU: `batch_size` is the micro-batch, `grad_accum` the accumulation."""
+    packing: bool
+    num_gpus: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    budget_bytes: int
+    retries_expected: bool
+    breakdown: dict[str, int]
+    step_time_s: float
+    tokens_per_s: float
+    """Token positions per second over all GPUs (padding included)."""
+    trained_tokens_per_s: float
+    """Real tokens per second (padding excluded; equal to tokens_per_s without --data)."""
+    turns_on: tuple[str, ...]
+    requires: tuple[str, ...]
+    exact: bool = True
+    """The memory numbers are the full estimate's (always, for returned plans)."""
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.peak_reserved_bytes
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An option that does not fit (or fits only with allocator retries), with its number."""
+
+    option: str
+    message: str
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    budget_bytes: int
+    reason: str
+    """over_budget | allocator_retries | host_ram."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change that would make the request fit (when nothing does as asked)."""
+
+    change: str
+    why: str
+    peak_allocated_bytes: int
+    fits: bool
+    retries_expected: bool
+    runnable: bool
+    """False: needs a runner feature fitune train lacks today (offloaded checkpoints, sharding)."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    request: PlanRequest
+    plans: tuple[Plan, ...]
+    rejected: tuple[Rejection, ...]
+    changes: tuple[Change, ...] = ()
+    """Filled when no plan fits: the cheapest changes that would."""
+    minimum: FastEstimate | None = None
+    """When no plan fits: the lightest setup of the request and what it needs."""
+    searched: int = 0
+    """Setups in the space (method x micro-batch x checkpointing x attention x optimizer)."""
+    estimated_fast: int = 0
+    estimated_full: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ---- the search -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    """Every axis but the optimizer."""
+
+    method: str
+    micro: int
+    ckpt: str
+    attn: str
+    packing: bool
+    loss: str = "hf"
+    score: float = 0.0
+    optimizer: str | None = None
+    estimate: FastEstimate | None = None
+
+
+def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
+    """Search the request's space; return the ranked plans that fit and the lines that explain the rest."""
+    req.validate()
+    fast = fast or FastEstimator(req.model, req.gpu)
+    budget = req.gpu.allocator_budget_bytes
+    rejected: list[Rejection] = []
+    methods = []
+    for method in req.methods:
+        r = _host_ram_rejection(req, method)
+        if r is None:
+            methods.append(method)
+        else:
+            rejected.append(r)
+
+    groups = []
+    micros = [m for m in range(1, req.per_gpu_batch + 1) if req.per_gpu_batch % m == 0]
+    for method, micro, ckpt, attn, loss in itertools.product(methods, micros, RUNNABLE_CHECKPOINTING, req.attns,
+                                                             req.losses):
+        g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss)
+        g.score = _tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1] * (1 - SPEED_TIE * _nondefault(g))
+        groups.append(g)
+    groups.sort(key=lambda g: -g.score)
+
+    accepted: list[_Group] = []
+    infeasible: list[_Group] = []
+    for g in groups:
+        if g.loss == "chunked" and any(_same_but_loss(g, p) and p.estimate is not None
+                                       and p.estimate.peak_reserved_bytes < 0.95 * budget for p in accepted):
+            continue  # the plain loss already fits here with room to spare, and chunking is never faster
+        if any(_heavier_or_equal(g, x) for x in infeasible):
+            continue  # needs at least the memory of a setup that did not fit
+        if any(_heavier_or_equal(g, p) for p in accepted):
+            continue  # slower than a plan already found and no lighter: never the better choice
+        if _choose_optimizer(req, fast, g, budget):
+            accepted.append(g)
+        else:
+            infeasible.append(g)
+
+    plans, with_retries = _confirm(req, fast, accepted)
+    if plans:
+        rejected += _why_not_faster(plans[-1], infeasible, with_retries)
+    fitting = {p.setup.method for p in plans} | {g.method for g in accepted}
+    rejected += _methods_without_plan(req, fast, [m for m in methods if m not in fitting])
+    changes: list[Change] = []
+    minimum = None
+    if not plans:
+        minimum, changes = _what_would_fit(req, fast, methods)
+    return PlanResult(req, tuple(plans), tuple(rejected), tuple(changes), minimum,
+                      searched=len(groups) * len(req.optimizers), estimated_fast=fast.shallow_calls,
+                      estimated_full=fast.full_calls, notes=tuple(_notes(req, plans)))
+
+
+def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup:
+    s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_targets=req.lora_targets,
+                   dtype=req.dtype, grad_checkpointing=g.ckpt, attn=g.attn, optimizer=optimizer, batch_size=g.micro,
+                   seq_len_tokens=req.seq_len_tokens, grad_accum=req.per_gpu_batch // g.micro,
+                   freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss)
+    return s.replace(**changes) if changes else s
+
+
+def _packing(req: PlanRequest, micro: int) -> bool:
+    return req.data is not None and packing_pays(req.data, req.seq_len_tokens, micro)
+
+
+def _tokens_per_s(req: PlanRequest, setup: TrainSetup, packing: bool) -> tuple[throughput.SpeedPrediction, float, float]:
+    """(prediction, token positions/s over all GPUs, trained tokens/s over all GPUs)."""
+    if req.data is None:
+        p = throughput.predict(req.model, setup, req.gpu)
+        return p, p.tokens_per_s * req.num_gpus, p.tokens_per_s * req.num_gpus
+    fill = batching(req.data, setup.seq_len_tokens, setup.batch_size, packing)
+    p = throughput.predict(req.model, setup.replace(seq_len_tokens=fill.slot_len_tokens), req.gpu)
+    return p, p.tokens_per_s * req.num_gpus, p.tokens_per_s * fill.real_share * req.num_gpus
+
+
+def _nondefault(g: _Group) -> int:
+    return int(g.attn != "sdpa") + int(g.loss != "hf")
+
+
+def _same_but_loss(a: _Group, b: _Group) -> bool:
+    return (a.method, a.micro, a.ckpt, a.attn, a.packing) == (b.method, b.micro, b.ckpt, b.attn, b.packing)
+
+
+def _heavier_or_equal(a: _Group, b: _Group) -> bool:
+    """`a` needs at least the memory of `b` on every axis (the estimator's memory is monotone along each)."""
+    if a.method != b.method and not (a.method in _METHOD_MEMORY and b.method in _METHOD_MEMORY
+                                     and _METHOD_MEMORY[a.method] >= _METHOD_MEMORY[b.method]):
+        return False
+    if a.attn != b.attn and not (a.attn in _ATTN_MEMORY and b.attn in _ATTN_MEMORY
+                                 and _ATTN_MEMORY[a.attn] >= _ATTN_MEMORY[b.attn]):
+        return False
+    return (a.micro >= b.micro and _CKPT_MEMORY[a.ckpt] >= _CKPT_MEMORY[b.ckpt]
+            and _LOSS_MEMORY[a.loss] >= _LOSS_MEMORY[b.loss])
+
+
+def _choose_optimizer(req: PlanRequest, fast: FastEstimator, g: _Group, budget: int) -> bool:
+    """The first optimizer (in preference order) whose estimate fits; False when none can."""
+    for opt in [o for o in OPTIMIZER_PREFERENCE if o in req.optimizers]:
+        e = fast.estimate(_setup(req, g, opt))
+        if e.fits:
+            g.optimizer, g.estimate = opt, e
+            return True
+        g.estimate = e
+        if _floor_without_optimizer(e) > budget:
+            return False  # even without optimizer state it would not fit
+    return False
+
+
+def _floor_without_optimizer(e: FastEstimate) -> int:
+    """The peak minus what any optimizer adds (its state, and its step's temporaries when that phase peaks)."""
+    floor = e.peak_allocated_bytes - e.breakdown.get("optimizer_states", 0)
+    if e.peak_phase == "optimizer":
+        floor -= e.breakdown.get("transients", 0)
+    return floor
+
+
+def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> tuple[list[Plan], list[Plan]]:
+    """Full estimates of the fastest candidates: for each method its fastest ones until one runs without allocator
+    retries (two at most), then the next fastest until `top` are confirmed.
+
+    Returns (the plans to show: the best of each method, then the fastest others, ranked; the confirmed plans with
+    allocator retries left out of them)."""
+    ranked = sorted(accepted, key=lambda g: (g.optimizer not in ADAM_FAMILY, -g.score))
+    plans: dict[int, Plan] = {}
+
+    def confirm(g: _Group) -> Plan | None:
+        e = fast.confirm(_setup(req, g, g.optimizer))
+        if e.fits and e.retries_expected:
+            e = _lighter_optimizer_without_retries(req, fast, g, e) or e
+        plans[id(g)] = _make_plan(req, g, e) if e.fits else None
+        return plans[id(g)]
+
+    for method in dict.fromkeys(g.method for g in ranked):
+        for g in [g for g in ranked if g.method == method][:2]:
+            p = confirm(g)
+            if p is not None and not p.retries_expected:
+                break
+    for g in ranked:
+        found = [p for p in plans.values() if p is not None]
+        if len(found) >= req.top and any(not p.retries_expected for p in found):
+            break
+        if id(g) not in plans:
+            confirm(g)
+    found = [p for p in plans.values() if p is not None]
+    key = lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -p.trained_tokens_per_s)  # noqa: E731
+    found.sort(key=key)
+    best_of_method = [next(p for p in found if p.setup.method == m) for m in dict.fromkeys(p.setup.method for p in found)]
+    shown = sorted((best_of_method + [p for p in found if p not in best_of_method])[:req.top], key=key)
+    return shown, [p for p in found if p not in shown and p.retries_expected]
+
+
+def _lighter_optimizer_without_retries(req, fast, g: _Group, e: FastEstimate) -> FastEstimate | None:
+    """A later optimizer of the preference list whose smaller state removes the overshoot of the reserved peak."""
+    overshoot = e.peak_reserved_bytes - e.budget_bytes
+    prefs = [o for o in OPTIMIZER_PREFERENCE if o in req.optimizers]
+    for opt in prefs[prefs.index(g.optimizer) + 1:]:
+        if e.breakdown.get("optimizer_states", 0) < overshoot:
+            return None  # dropping all optimizer state would not be enough
+        e2 = fast.confirm(_setup(req, g, opt))
+        if e2.fits and not e2.retries_expected:
+            g.optimizer = opt
+            return e2
+    return None
+
+
+def _make_plan(req: PlanRequest, g: _Group, e: FastEstimate) -> Plan:
+    s = e.setup
+    pred, tps, trained = _tokens_per_s(req, s, g.packing)
+    return Plan(setup=s, packing=g.packing, num_gpus=req.num_gpus, peak_allocated_bytes=e.peak_allocated_bytes,
+                peak_reserved_bytes=e.peak_reserved_bytes, budget_bytes=e.budget_bytes,
+                retries_expected=bool(e.retries_expected), breakdown=dict(e.breakdown), step_time_s=pred.step_time_s,
+                tokens_per_s=tps, trained_tokens_per_s=trained, turns_on=tuple(_turns_on(req, s, g.packing)),
+                requires=tuple(requirements(s)), exact=e.exact)
+
+
+def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
+    out = []
+    if s.method == "qlora":
+        out.append("4-bit NF4 base weights (QLoRA)")
+    if s.grad_accum > 1:
+        out.append(f"gradient accumulation x{s.grad_accum} (micro-batch {s.batch_size})")
+    if s.grad_checkpointing != "none":
+        plain = throughput.predict(req.model, s.replace(grad_checkpointing="none"), req.gpu).step_time_s
+        ckpt = throughput.predict(req.model, s, req.gpu).step_time_s
+        out.append(f"activation checkpointing (recomputes every layer: {ckpt / plain - 1:+.0%} step time)")
+    if s.attn != "sdpa":
+        out.append(f"{s.attn} attention")
+    if s.loss == "chunked":
+        out.append("chunked loss (the full fp32 logits are never materialised)")
+    if s.optimizer != "adamw":
+        out.append({"adamw8bit": "8-bit AdamW states", "paged_adamw8bit": "paged 8-bit AdamW states (managed memory)",
+                    "adafactor": "Adafactor (factored second moment; changes the update)",
+                    "sgd": "SGD without momentum (no state; changes the update)"}[s.optimizer])
+    if packing:
+        out.append("packing (short examples share rows)")
+    if req.num_gpus > 1:
+        out.append(f"data parallel over {req.num_gpus} GPUs (a full copy on each)")
+    return out
+
+
+def requirements(s: TrainSetup) -> list[str]:
+    """What a setup needs beyond torch + transformers + peft."""
+    out = []
+    if s.method == "qlora" or s.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        out.append("bitsandbytes + a CUDA GPU")
+    if s.attn == "flash":
+        out.append("flash-attn")
+    return out
+
+
+# ---- the explanations ---------------------------------------------------------------------------------------------
+
+
+def _fmt(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _verdict(option: str, e: FastEstimate, extra: str = "") -> Rejection | None:
+    budget = e.budget_bytes
+    if not e.fits:
+        return Rejection(option, f"{option}: {_fmt(e.peak_allocated_bytes)} > {_fmt(budget)} budget{extra}",
+                         e.peak_allocated_bytes, e.peak_reserved_bytes if e.exact else None, budget, "over_budget")
+    if e.retries_expected:
+        return Rejection(option, f"{option}: fits only with allocator retries ({_fmt(e.peak_reserved_bytes)} reserved > "
+                         f"{_fmt(budget)}; {_fmt(e.peak_allocated_bytes)} allocated){extra}",
+                         e.peak_allocated_bytes, e.peak_reserved_bytes, budget, "allocator_retries")
+    return None
+
+
+def _judge(fast: FastEstimator, s: TrainSetup) -> FastEstimate:
+    """Fast when it does not fit (the allocated peak extrapolates exactly); the full estimate to judge retries."""
+    e = fast.estimate(s)
+    return fast.confirm(s) if e.fits and not e.exact else e
+
+
+def describe(s: TrainSetup) -> str:
+    """'LoRA, micro-batch 1 x 2 accumulation, checkpointing full, sdpa, adamw' (the axes the search varies)."""
+    batch = f"micro-batch {s.batch_size}" + (f" x {s.grad_accum} accumulation" if s.grad_accum > 1 else "")
+    method = METHOD_LABELS[s.method] + (f" (the last {s.freeze_trainable_layers} layers train)" if s.method == "freeze" else "")
+    loss = ", chunked loss" if s.loss == "chunked" else ""
+    return f"{method}, {batch}, checkpointing {s.grad_checkpointing}, {s.attn}{loss}, {s.optimizer}"
+
+
+def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Plan]) -> list[Rejection]:
+    """The setups predicted faster than the last plan shown and why they are not plans: over the budget (only the
+    lightest of them: the heavier ones follow) or fitting only with allocator retries."""
+    out = []
+    faster = [g for g in infeasible if g.estimate is not None and g.score > last.trained_tokens_per_s
+              and not any(x is not g and _heavier_or_equal(g, x) for x in infeasible)]
+    for g in sorted(faster, key=lambda g: -g.score):
+        r = _verdict(describe(g.estimate.setup), g.estimate)
+        if r:
+            out.append(r)
+    for p in with_retries:
+        if p.trained_tokens_per_s > last.trained_tokens_per_s:
+            out.append(Rejection(describe(p.setup), f"{describe(p.setup)}: fits only with allocator retries "
+                                 f"({_fmt(p.peak_reserved_bytes)} reserved > {_fmt(p.budget_bytes)}; "
+                                 f"{_fmt(p.peak_allocated_bytes)} allocated)", p.peak_allocated_bytes,
+                                 p.peak_reserved_bytes, p.budget_bytes, "allocator_retries"))
+    return out
+
+
+def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, **changes) -> TrainSetup:
+    attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
+    opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
+    g = _Group(method, 1, "full", attn, False, "chunked" if "chunked" in req.losses else "hf")
+    s = _setup(req, g, opt, **changes)
+    return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
+
+
+def _describe_lightest(s: TrainSetup) -> str:
+    return f"micro-batch 1, checkpointing {s.grad_checkpointing}, optimizer {s.optimizer}"
+
+
+def _methods_without_plan(req: PlanRequest, fast: FastEstimator, methods: list[str]) -> list[Rejection]:
+    """One line per method with no setup that fits: what its lightest setup needs."""
+    out = []
+    for method in methods:
+        s = _lightest(req, method)
+        r = _verdict(METHOD_LABELS[method], _judge(fast, s), f" at the least ({_describe_lightest(s)})")
+        if r:
+            out.append(r)
+    return out
+
+
+def _host_ram_rejection(req: PlanRequest, method: str) -> Rejection | None:
+    """The runner loads bf16 weights on the CPU before moving them (from_pretrained, then .to(device)); QLoRA
+    quantises while loading onto the GPU. An assumption about peak host memory: the whole bf16 model."""
+    if req.host_ram_bytes is None or method == "qlora":
+        return None
+    need = weight_terms.weight_bytes(req.model, method, req.dtype)
+    if need <= req.host_ram_bytes:
+        return None
+    return Rejection(METHOD_LABELS[method], f"{METHOD_LABELS[method]}: loading needs {_fmt(need)} of host RAM (the runner "
+                     f"loads the {req.dtype} weights on the CPU first) > {_fmt(req.host_ram_bytes)} --host-ram",
+                     None, None, req.gpu.allocator_budget_bytes, "host_ram")
+
+
+def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -> tuple[FastEstimate | None, list[Change]]:
+    """The smallest requirement of the request, and the cheapest changes that would make it fit."""
+    pool = methods or list(req.methods)
+    lightest = [fast.confirm(_lightest(req, m)) for m in pool]
+    minimum = min(lightest, key=lambda e: e.peak_allocated_bytes)
+    changes: list[Change] = []
+
+    # shorter sequences, with the method that needs least
+    m = minimum.setup.method
+    seq = req.seq_len_tokens // 2
+    while seq >= 128:
+        e = _judge(fast, _lightest(req, m, seq_len_tokens=seq))
+        if e.fits:  # the longest that fits; and the longest without allocator retries, when shorter
+            changes.append(Change(f"--seq-len {seq}", f"{METHOD_LABELS[m]}, {_describe_lightest(e.setup)}; longer "
+                                  "examples are truncated", e.peak_allocated_bytes, True, bool(e.retries_expected), True))
+            if not e.retries_expected:
+                break
+        seq //= 2
+    if not any(c.change.startswith("--seq-len") for c in changes):
+        resident = sum(minimum.breakdown.get(k, 0) for k in ("weights", "adapter_weights", "optimizer_states"))
+        changes.append(Change("--seq-len", f"no sequence length fits: the weights and optimizer state alone need "
+                              f"{_fmt(resident)}", resident, False, False, True))
+    # a lighter method than those asked
+    for alt in ("qlora", "lora"):
+        if alt == "qlora" and not req.allow_quantize:
+            continue
+        if alt in pool or _METHOD_MEMORY.get(alt, 9) >= min(_METHOD_MEMORY.get(x, 9) for x in pool):
+            continue
+        e = _judge(fast, _lightest(req, alt))
+        if e.fits:
+            changes.append(Change(f"--method {alt}", f"{METHOD_LABELS[alt]}, {_describe_lightest(e.setup)}",
+                                  e.peak_allocated_bytes, True, bool(e.retries_expected), True))
+            break
+    # a bigger GPU: the smallest whose budget holds the reserved peak (no allocator retries), with adamw
+    preferred = next(o for o in OPTIMIZER_PREFERENCE if o in req.optimizers)
+    lightest_adam = fast.confirm(minimum.setup.replace(optimizer=preferred))
+    need = lightest_adam.peak_reserved_bytes
+    for name in sorted(catalog_gpu_names(), key=lambda n: resolve_gpu(n).allocator_budget_bytes):
+        g = resolve_gpu(name)
+        if g.allocator_budget_bytes < need or not g.supports_bf16:
+            continue
+        changes.append(Change(f"--gpu {name}", f"{_fmt(g.allocator_budget_bytes)} for the allocator holds the "
+                              f"{_fmt(need)} reserved peak ({METHOD_LABELS[m]}, {_describe_lightest(lightest_adam.setup)})",
+                              lightest_adam.peak_allocated_bytes, True, False, True))
+        break
+    # more GPUs: data parallel does not help; sharding would (not modelled)
+    changes.append(_sharding_change(req, minimum))
+    # runner features to come
+    for label, kw in (("--grad-checkpointing offload", {"grad_checkpointing": "offload"}),):
+        e = _judge(fast, minimum.setup.replace(**kw))
+        host = f"; {_fmt(e.host_bytes)} of pinned host memory, ~{throughput.offload_transfer_s(e.host_bytes, req.gpu):.2f} s " \
+               "over PCIe per micro-batch if not overlapped" if e.host_bytes else ""
+        if req.host_ram_bytes is not None and e.host_bytes > req.host_ram_bytes:
+            continue
+        if e.fits:
+            changes.append(Change(label, f"needs a future runner feature (estimable, not in fitune train yet){host}",
+                                  e.peak_allocated_bytes, True, bool(e.retries_expected), False))
+    return minimum, changes
+
+
+def _sharding_change(req: PlanRequest, minimum: FastEstimate) -> Change:
+    """Rough: ZeRO-3 / FSDP divides weights, gradients and optimizer states by N; activations stay per GPU."""
+    b = minimum.breakdown
+    sharded = sum(b.get(k, 0) for k in ("weights", "adapter_weights", "gradients", "optimizer_states"))
+    rest = minimum.peak_allocated_bytes - sharded
+    budget = req.gpu.allocator_budget_bytes
+    if rest >= budget or sharded <= 0:
+        return Change("more GPUs", "do not help: data parallel keeps a full copy per GPU, and what is not sharded "
+                      f"({_fmt(rest)}) is over the budget alone", minimum.peak_allocated_bytes, False, False, False)
+    n = max(2, -(-sharded // (budget - rest)))
+    return Change(f"{n} GPUs with sharding (FSDP / ZeRO-3)",
+                  f"rough: weights, gradients and optimizer states split {n} ways; not modelled by the estimator and "
+                  "not run by fitune train (data parallel, --gpus, keeps a full copy per GPU and does not help)",
+                  rest + sharded // n, True, False, False)
+
+
+def _notes(req: PlanRequest, plans: list[Plan]) -> list[str]:
+    notes = []
+    rates = throughput.gpu_rates(req.gpu)
+    from .calibration import MEDIAN_ABS_ERROR
+
+    where = (f"scaled to the {req.gpu.name} by its dense {'bf16' if req.gpu.supports_bf16 else 'fp16'} peak and memory "
+             "bandwidth (an assumption)") if rates.scaled else (
+        "on the H200 itself" if rates.name == req.gpu.name else
+        f"with an H200's rates: {req.gpu.name} names no catalog GPU, so compare plans with each other, not with a clock")
+    notes.append(f"tokens/s: a model calibrated on 45 measured H200 steps (median error {MEDIAN_ABS_ERROR:.0%}), {where}")
+    if req.num_gpus > 1:
+        notes.append(f"--gpus {req.num_gpus}: data parallel, each GPU holds a full copy and takes {req.per_gpu_batch} of the "
+                     f"{req.batch_size} sequences per step; ZeRO/FSDP sharding and the gradient all-reduce are not modelled")
+    if any("bitsandbytes + a CUDA GPU" in p.requires for p in plans):
+        notes.append("QLoRA and 8-bit optimizers need bitsandbytes and a CUDA GPU")
+    return notes

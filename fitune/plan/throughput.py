@@ -1,0 +1,434 @@
+"""Predicted training speed: the time of one optimizer step from FLOPs, bytes moved and kernel launches.
+
+The model (per micro-batch of `T = batch x seq` tokens, on a GPU with dense bf16 peak P and memory bandwidth B):
+
+    t_micro = c_linear    x linear FLOPs / P          matmuls of the weights (forward, input and weight gradients,
+                                                      the recomputed forward under checkpointing), lm_head included
+            + c_attention x attention FLOPs / P       QK^T and PV (causal: halved, except eager which computes all)
+            + c_launch    x launches                  kernel launches: fixed CPU cost, what makes small batches slow
+            + c_activation x activation bytes / B     element-wise passes over activations (norms, RoPE, SiLU,
+                                                      residuals, LoRA's A/B paths, the fp32 logits and loss)
+            + c_eager     x score bytes / B           eager attention's [batch, heads, seq, seq] scores and softmax
+            + c_dequant   x dequantised bytes / B     QLoRA: each NF4 weight unpacked to bf16 for every matmul
+    t_step  = grad_accum x t_micro + optimizer bytes / B
+
+Sources: FLOPs per token from fitune/perf/flops.py (Kaplan et al. 2020; PaLM appendix B), split into linear and
+attention parts here. The byte and launch counts are structure, not measurements: what each term counts is
+written next to it below, and the coefficients `c_*` absorb the constants (kernels that run below bandwidth,
+launches per module). The coefficients are fitted (non-negative least squares on the relative error, c_linear
+held >= 1 because no matmul beats the datasheet peak) to the 45 measured H200 steps of the HF recipe,
+bench/results/hf_recipe/hf_recipe.jsonl; `python -m fitune.plan.throughput` refits them and rewrites
+fitune/plan/calibration.py, and tests/test_plan.py refits them from the committed data and checks the error.
+
+Other GPUs: the FLOP terms scale with the GPU's dense bf16 (or fp16) peak, the byte terms with its memory
+bandwidth, the launch term not at all. That is an assumption (consumer cards and older generations reach a
+different fraction of their peak than an H200); `fitune plan` says so next to every prediction.
+
+Not modelled: communication between GPUs (data parallel all-reduce of gradients), the data loader, the first
+step's compilation and allocator warm-up. The optimizer step is physical bytes over bandwidth, uncalibrated (the
+45 measured runs are LoRA/QLoRA, whose optimizer step is negligible).
+
+Pure Python; no torch import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+from ..memory import adapters as adapter_terms
+from ..memory import weights as weight_terms
+from ..perf.flops import forward_flops_per_token
+from ..setup import TrainSetup
+from ..specs.gpu import GpuSpec, gpu_catalog
+from ..specs.model import ModelSpec
+
+#: The calibration GPU: the bench ran on an H200; its catalog entry gives the peak and bandwidth of the fit.
+CALIBRATION_GPU = "h200"
+
+#: The terms of the model, in the order of the coefficients.
+TERMS = ("linear", "attention", "launches", "checkpointed_layers", "activations", "eager_scores", "dequant")
+
+#: Kernels one decoder layer launches in a forward pass without LoRA (norms, projections, RoPE, attention,
+#: activation, residuals: about 20 in transformers' Llama layer) and per LoRA-wrapped Linear (dropout/identity,
+#: A, B, scale, add). A structural guess; the fitted `c_launch` scales it.
+KERNELS_PER_LAYER = 20
+KERNELS_PER_LORA_TARGET = 4
+
+#: Effective PCIe bandwidth per direction, GB/s (about 80 % of the link rate: 3.0 x16 = 15.8, 4.0 = 31.5,
+#: 5.0 = 63 GB/s raw). Used only for the transfer time of offloaded checkpoints (a runner feature to come).
+PCIE_GB_S = {"3.0": 12.0, "4.0": 25.0, "5.0": 50.0}
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """What one micro-batch costs, before dividing by a GPU's rates."""
+
+    linear_flops: float
+    attention_flops: float
+    launches: float
+    checkpointed_layers: float
+    activation_bytes: float
+    eager_score_bytes: float
+    dequant_bytes: float
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return (self.linear_flops, self.attention_flops, self.launches, self.checkpointed_layers, self.activation_bytes,
+                self.eager_score_bytes, self.dequant_bytes)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a GPU does per second: dense bf16 (or fp16) FLOP/s and memory bytes/s."""
+
+    peak_flops: float
+    bandwidth_bytes_s: float
+    name: str
+    scaled: bool
+    """True when the rates are another GPU's than the calibration's (the prediction is scaled)."""
+
+
+@dataclass(frozen=True)
+class SpeedPrediction:
+    """Predicted speed of one setup."""
+
+    step_time_s: float
+    """One optimizer step: grad_accum micro-batches and the optimizer update."""
+    micro_batch_time_s: float
+    tokens_per_step: int
+    """Token positions computed per step (padding included)."""
+    tokens_per_s: float
+    """tokens_per_step / step_time_s on one GPU."""
+    terms_s: dict[str, float]
+    """Seconds of each term in one micro-batch (the breakdown of `micro_batch_time_s`)."""
+    optimizer_s: float
+
+
+# ---- what one micro-batch costs ------------------------------------------------------------------------------
+
+
+def _fwd_passes(setup: TrainSetup, model: ModelSpec) -> float:
+    """Forward passes over the decoder layers: 1, plus the recomputation of checkpointed layers."""
+    mode = setup.checkpointed_layers_mode
+    if mode in ("full", "offload"):
+        return 2.0
+    if mode == "selective":
+        return 1.0 + (setup.selective_k() or 0) / model.num_layers
+    return 1.0
+
+
+def step_terms(model: ModelSpec, setup: TrainSetup) -> StepTerms:
+    """FLOPs, launches and bytes moved of one micro-batch of `setup` (batch_size x seq_len_tokens tokens)."""
+    m, s = model, setup
+    T = s.batch_size * s.seq_len_tokens
+    L = m.num_layers
+    w = weight_terms.DTYPE_BYTES[s.dtype] if s.method != "qlora" else 2
+    fwd = _fwd_passes(s, m)
+    lin, att = forward_flops_per_token(m, s.seq_len_tokens)  # per token, forward, whole model
+    head = 2 * m.vocab_size * m.hidden_size
+    decoder = lin - head
+    # backward: the input gradient of every matmul (2N) below the lm_head; the weight gradient (2N) only for
+    # trained weights. freeze: backward stops below the first trained layer.
+    if s.method == "freeze":
+        k = min(s.freeze_trainable_layers, L) / L
+        linear = head + decoder * fwd + head + decoder * k * 2  # lm_head input grad; trained layers: input + weight
+        attention = att * fwd + att * k * 2
+    else:
+        weight_grads = lin if s.method == "full" else 0
+        linear = head + decoder * fwd + lin + weight_grads
+        attention = att * fwd + att * 2
+    if s.attn == "eager":
+        attention *= 2  # eager multiplies the whole seq x seq square; sdpa/flash skip the masked half
+    bwd_layers = L if s.method != "freeze" else min(s.freeze_trainable_layers, L)
+
+    targets = adapter_terms.lora_targets(m, s)
+    lora_io = sum(lin_.in_features + lin_.out_features for lin_ in m.linears(False) if lin_.name in targets)
+    kernels = KERNELS_PER_LAYER + KERNELS_PER_LORA_TARGET * len(targets)
+    launches = kernels * (L * fwd + 2 * bwd_layers)  # backward launches about twice the forward's kernels
+
+    # element-wise traffic per token and layer in one forward pass (bytes): each norm reads h and writes h in
+    # fp32 (~4h elements), two residual adds (3h each), RoPE on q and k (3 x (q + kv)), the gated activation
+    # and product (6 x intermediate), LoRA's dropout / A / B / add (3 x (in + out)) per target.
+    per_layer = w * (4 * m.hidden_size * m.norms_per_layer + 6 * m.hidden_size + 3 * (m.q_dim + m.kv_dim)
+                     + 6 * m.intermediate_size + 3 * lora_io)
+    logits = m.vocab_size * (2 + 4 + 4 + 4 + 4)  # bf16 logits, fp32 upcast, log-softmax, its gradient, the input grad
+    activation_bytes = T * (per_layer * (L * fwd + 2 * bwd_layers) + logits)
+
+    eager = 0.0
+    if s.attn == "eager":
+        # scores written, softmax read + written (fp32 upcast), probabilities read by PV: ~4 passes forward
+        eager = s.batch_size * m.num_heads * s.seq_len_tokens ** 2 * w * 4 * (L * fwd + 2 * bwd_layers)
+
+    dequant = 0.0
+    if s.method == "qlora":
+        # every matmul of an NF4 weight unpacks it to bf16 first: read 0.5 B, write 2 B, the matmul reads 2 B
+        dequant = weight_terms.count_params(m).decoder_linear * 4.5 * (fwd + 1)
+    ckpt_layers = (fwd - 1) * L  # layers run under torch.utils.checkpoint (its hooks cost CPU time per layer)
+    return StepTerms(float(linear * T), float(attention * T), float(launches), float(ckpt_layers),
+                     float(activation_bytes), float(eager),
+                     float(dequant))
+
+
+def optimizer_step_bytes(model: ModelSpec, setup: TrainSetup) -> float:
+    """Bytes the optimizer step reads and writes (physical count, uncalibrated).
+
+    Per trainable parameter: the weight and gradient read, the weight written, plus state: adamw 2 fp32 states
+    read and written (16 B), 8-bit AdamW 4 B, adafactor ~4 B, sgd 0. LoRA weights are fp32 (PEFT).
+    """
+    n = adapter_terms.trainable_param_count(model, setup)
+    p = adapter_terms.LORA_PARAM_BYTES if setup.method in ("lora", "qlora") else weight_terms.DTYPE_BYTES[setup.dtype]
+    state = {"adamw": 16, "adamw8bit": 4, "paged_adamw8bit": 4, "adafactor": 4, "sgd": 0}.get(setup.optimizer, 16)
+    grad_accumulate = 2 * p if setup.method in ("full", "freeze") and setup.grad_accum > 1 else 0
+    return float(n * (3 * p + state + grad_accumulate))
+
+
+# ---- rates of a GPU ------------------------------------------------------------------------------------------
+
+
+def gpu_rates(gpu: GpuSpec | None) -> Rates:
+    """The GPU's peak and bandwidth; the calibration GPU's when `gpu` names no catalog card (`--gpu 24GiB`)."""
+    cal = gpu_catalog()[CALIBRATION_GPU]
+    if gpu is not None and gpu.name in gpu_catalog():
+        entry = gpu_catalog()[gpu.name]
+        peak = gpu.peak_bf16_tflops if gpu.supports_bf16 else entry.get("peak_fp16_dense_tflops")
+        bw = gpu.memory_bandwidth_gb_s
+        if peak and bw:
+            return Rates(peak * 1e12, bw * 1e9, gpu.name, gpu.name != CALIBRATION_GPU)
+    return Rates(cal["peak_bf16_dense_tflops"] * 1e12, cal["memory_bandwidth_gb_s"] * 1e9, CALIBRATION_GPU, False)
+
+
+def has_rates(gpu: GpuSpec | None) -> bool:
+    """Whether the GPU's own peak and bandwidth are known (else predictions use the calibration GPU's)."""
+    return gpu is not None and gpu_rates(gpu).name == gpu.name
+
+
+def pcie_gb_s(gpu: GpuSpec | None) -> float:
+    """Effective host-device bandwidth per direction, GB/s (PCIe 4.0 x16 when the catalog does not say)."""
+    entry = gpu_catalog().get(gpu.name, {}) if gpu is not None else {}
+    gen = str(entry.get("pcie") or "4.0").split()[0]
+    return PCIE_GB_S.get(gen, PCIE_GB_S["4.0"])
+
+
+# ---- the prediction ------------------------------------------------------------------------------------------
+
+
+def load_coefficients() -> dict[str, float]:
+    from .calibration import COEFFICIENTS
+
+    return dict(COEFFICIENTS)
+
+
+def term_seconds(terms: StepTerms, rates: Rates, coefficients: dict[str, float]) -> dict[str, float]:
+    c = coefficients
+    return {
+        "linear": c["linear"] * terms.linear_flops / rates.peak_flops,
+        "attention": c["attention"] * terms.attention_flops / rates.peak_flops,
+        "launches": c["launches"] * terms.launches,
+        "checkpointed_layers": c["checkpointed_layers"] * terms.checkpointed_layers,
+        "activations": c["activations"] * terms.activation_bytes / rates.bandwidth_bytes_s,
+        "eager_scores": c["eager_scores"] * terms.eager_score_bytes / rates.bandwidth_bytes_s,
+        "dequant": c["dequant"] * terms.dequant_bytes / rates.bandwidth_bytes_s,
+    }
+
+
+def predict(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None,
+            coefficients: dict[str, float] | None = None) -> SpeedPrediction:
+    """Predicted step time and tokens/s of `setup` (micro-batch `batch_size`, `grad_accum` of them) on one GPU."""
+    rates = gpu_rates(gpu)
+    secs = term_seconds(step_terms(model, setup), rates, coefficients or load_coefficients())
+    micro = sum(secs.values())
+    opt = optimizer_step_bytes(model, setup) / rates.bandwidth_bytes_s
+    step = setup.grad_accum * micro + opt
+    tokens = setup.grad_accum * setup.batch_size * setup.seq_len_tokens
+    return SpeedPrediction(step, micro, tokens, tokens / step, secs, opt)
+
+
+def offload_transfer_s(host_bytes: int, gpu: GpuSpec | None) -> float:
+    """Seconds to move offloaded checkpoints to pinned host memory and back once, over PCIe, if not overlapped."""
+    return 2 * host_bytes / (pcie_gb_s(gpu) * 1e9)
+
+
+# ---- the fit -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured step from bench/results/hf_recipe/hf_recipe.jsonl."""
+
+    label: str
+    model: ModelSpec
+    setup: TrainSetup
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    coefficients: dict[str, float]
+    errors: tuple[float, ...]
+    """Predicted / measured tokens/s - 1, per case, in the order of the records."""
+    labels: tuple[str, ...]
+
+    @property
+    def median_abs_error(self) -> float:
+        import statistics
+
+        return statistics.median(abs(e) for e in self.errors)
+
+    @property
+    def max_abs_error(self) -> float:
+        return max(abs(e) for e in self.errors)
+
+
+def read_measurements(path: str) -> list[Measured]:
+    """The successful cases of an hf_recipe.jsonl file (tokens/s from the fastest step after the first)."""
+    from ..setup import parse_targets
+    from ..specs.model import load_model_spec
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            d = json.loads(line)
+            if not d.get("ok") or not d.get("tokens_per_s"):
+                continue
+            setup = TrainSetup(method=d["method"], lora_rank=d["lora_rank"], lora_targets=parse_targets(d["lora_targets"]),
+                               dtype=d["dtype"], grad_checkpointing=d["grad_checkpointing"], attn=d["attn"],
+                               optimizer=d["optimizer"], batch_size=d["batch_size"], seq_len_tokens=d["seq_len_tokens"],
+                               loss=d["loss"], stack=d["stack"])
+            label = (f"{d['model']} {d['method']} {d['lora_targets']} r{d['lora_rank']} {d['batch_size']}x"
+                     f"{d['seq_len_tokens']} ckpt {d['grad_checkpointing']} {d['attn']}")
+            out.append(Measured(label, load_model_spec(d["model"]), setup, float(d["tokens_per_s"])))
+    return out
+
+
+def fit(measured: list[Measured], gpu: GpuSpec | None = None) -> Fit:
+    """Fit the coefficients to measured steps: minimise sum((t_pred / t_measured - 1)^2), c >= 0, c_linear >= 1.
+
+    The measured time is tokens_per_step / tokens_per_s. Solved exactly by trying every subset of free terms
+    (2^5 least-squares solves of 6 unknowns): small enough to need no numerical library.
+    """
+    from ..specs.gpu import resolve_gpu
+
+    rates = gpu_rates(gpu or resolve_gpu(CALIBRATION_GPU))
+    unit = {t: 1.0 for t in TERMS}
+    rows, targets = [], []
+    for r in measured:
+        x = term_seconds(step_terms(r.model, r.setup), rates, unit)
+        t = r.setup.batch_size * r.setup.seq_len_tokens / r.tokens_per_s
+        rows.append([x[k] / t for k in TERMS])
+        targets.append(1.0)
+    # c_linear = 1 + c', c' >= 0: move the fixed part to the right-hand side
+    rhs = [y - row[0] for row, y in zip(rows, targets)]
+    coef = _nnls(rows, rhs)
+    coef[0] += 1.0
+    coefficients = dict(zip(TERMS, coef))
+    errors = []
+    for r in measured:
+        p = predict(r.model, r.setup, gpu or resolve_gpu(CALIBRATION_GPU), coefficients)
+        errors.append(p.tokens_per_s / r.tokens_per_s - 1)
+    return Fit(coefficients, tuple(errors), tuple(r.label for r in measured))
+
+
+def leave_one_model_out(measured: list[Measured]) -> list[float]:
+    """Errors of each case predicted by a fit made without any case of its model (out-of-sample errors)."""
+    from ..specs.gpu import resolve_gpu
+
+    gpu = resolve_gpu(CALIBRATION_GPU)
+    errors = []
+    for name in sorted({r.model.name for r in measured}):
+        train = [r for r in measured if r.model.name != name]
+        c = fit(train).coefficients
+        errors += [predict(r.model, r.setup, gpu, c).tokens_per_s / r.tokens_per_s - 1
+                   for r in measured if r.model.name == name]
+    return errors
+
+
+def _nnls(rows: list[list[float]], rhs: list[float]) -> list[float]:
+    """Non-negative least squares by enumeration of the active set (fine for a handful of unknowns)."""
+    n = len(rows[0])
+    best, best_res = [0.0] * n, sum(y * y for y in rhs)
+    for k in range(1, n + 1):
+        for subset in itertools.combinations(range(n), k):
+            sol = _lstsq([[row[j] for j in subset] for row in rows], rhs)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            c = [0.0] * n
+            for j, v in zip(subset, sol):
+                c[j] = v
+            res = sum((sum(row[j] * c[j] for j in range(n)) - y) ** 2 for row, y in zip(rows, rhs))
+            if res < best_res:
+                best, best_res = c, res
+    return best
+
+
+def _lstsq(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Least squares via the normal equations, solved by Gaussian elimination with partial pivoting."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, rhs))]
+         for i in range(n)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def write_calibration(path_jsonl: str, out_py: str) -> Fit:
+    """Fit to `path_jsonl` and write the coefficients as a Python module (`fitune/plan/calibration.py`)."""
+    import statistics
+
+    measured = read_measurements(path_jsonl)
+    result = fit(measured)
+    loo = leave_one_model_out(measured)
+    lines = [
+        '"""Throughput coefficients fitted to bench/results/hf_recipe/hf_recipe.jsonl (H200).',
+        "",
+        "Generated by `python -m fitune.plan.throughput` (fitune/plan/throughput.py: `write_calibration`); do not edit.",
+        "tests/test_plan.py refits from the committed data and checks these numbers and the fit error.",
+        '"""',
+        "",
+        f"SOURCE = {'bench/results/hf_recipe/hf_recipe.jsonl'!r}",
+        f"CASES = {len(measured)}",
+        "COEFFICIENTS = {",
+        *[f"    {k!r}: {v!r}," for k, v in result.coefficients.items()],
+        "}",
+        f"MEDIAN_ABS_ERROR = {round(result.median_abs_error, 4)!r}",
+        '"""Median |predicted / measured tokens/s - 1| over the fitted cases."""',
+        f"MAX_ABS_ERROR = {round(result.max_abs_error, 4)!r}",
+        f"LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR = {round(statistics.median(abs(e) for e in loo), 4)!r}",
+        '"""The same, each model predicted by a fit made without its own cases."""',
+        f"LEAVE_ONE_MODEL_OUT_MAX_ABS_ERROR = {round(max(abs(e) for e in loo), 4)!r}",
+        "",
+    ]
+    with open(out_py, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a maintenance script
+    import argparse
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    p = argparse.ArgumentParser(description="refit the throughput model to measured HF-recipe steps")
+    p.add_argument("jsonl", nargs="?", default=os.path.join(root, "bench", "results", "hf_recipe", "hf_recipe.jsonl"))
+    p.add_argument("--out", default=os.path.join(here, "calibration.py"))
+    p.add_argument("--show", action="store_true", help="print every case's error")
+    args = p.parse_args(argv)
+    result = write_calibration(args.jsonl, args.out)
+    if args.show:
+        for label, e in zip(result.labels, result.errors):
+            print(f"{label:70s} {e:+.1%}")
+    print("coefficients:", {k: round(v, 6) for k, v in result.coefficients.items()})
+    print(f"median |error| {result.median_abs_error:.1%}, max {result.max_abs_error:.1%}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
