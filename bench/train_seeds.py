@@ -48,6 +48,7 @@ def main() -> int:
         import yaml
 
         plan = yaml.safe_load(open(os.path.join(args.out, "plan.yaml")))
+        plan.pop("epochs", None)
         runs["plan"] = {**plan, "model": args.model, "init": "random", "tokenizer": tok,
                         "data": {"path": data, "format": "chat"}, "max_steps": args.steps, "cap": args.cap}
     for name in args.runs.split(","):
