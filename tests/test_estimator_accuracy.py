@@ -64,3 +64,36 @@ def test_profiled_seeds_case_per_category():
     assert abs(est.peak_reserved_bytes - doc["peak_reserved_bytes"]) <= 0.05 * doc["peak_reserved_bytes"]
     for category, measured in doc["breakdown"].items():
         assert abs(est.breakdown[category] - measured) <= 0.01 * peak, category
+
+
+def _train_runs():
+    import json
+
+    folder = os.path.join(ROOT, "bench", "results", "train")
+    out = []
+    for name in ("plan", "guard", "chunked", "ckpt"):
+        lines = [json.loads(x) for x in open(os.path.join(folder, f"train_{name}.jsonl"))]
+        out.append((name, lines))
+    return out
+
+
+@pytest.mark.parametrize("name, lines", _train_runs(), ids=[n for n, _ in _train_runs()])
+def test_fitune_stack_estimate_matches_fitune_train_on_the_gpu(name, lines):
+    """`--stack fitune` against `fitune train`'s own per-step peaks (bench/results/train/, H200 capped at 23.4 GiB)."""
+    from fitune.memory import estimate
+    from fitune.setup import TrainSetup
+    from fitune.specs.gpu import resolve_gpu
+    from fitune.specs.model import load_model_spec
+
+    last = lines[-1]
+    setup = TrainSetup(method="qlora" if name == "plan" else "lora", batch_size=last["micro_batch_size"],
+                       grad_accum=2 // last["micro_batch_size"], seq_len_tokens=2048,
+                       grad_checkpointing="full" if last["grad_checkpointing"] else "none",
+                       loss="chunked" if name == "chunked" else "hf", stack="fitune")
+    est = estimate(load_model_spec("llama-3.1-8b"), setup, resolve_gpu("h200"))
+    steady = [x for x in lines[1:]]  # step 1 holds the re-plans of the guard run
+    allocated = max(x["peak_allocated_bytes"] for x in steady)
+    reserved = max(x["peak_reserved_bytes"] for x in steady)
+    assert abs(est.peak_allocated_bytes - allocated) <= 0.03 * allocated
+    if est.peak_reserved_bytes <= 23.4 * 2**30:  # above the cap the allocator flushes its cache instead
+        assert abs(est.peak_reserved_bytes - reserved) <= 0.05 * reserved
