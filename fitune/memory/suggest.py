@@ -28,6 +28,9 @@ def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
         b = max(1, s.batch_size // 2)
         out.append((f"--batch-size {b} (and {s.grad_accum * s.batch_size // b}x gradient accumulation)",
                     "same effective batch, smaller steps", s.replace(batch_size=b, grad_accum=s.grad_accum * s.batch_size // b)))
+    if s.loss == "hf":
+        out.append(("--stack fitune --loss chunked", "fitune train's chunked loss: the full fp32 logits never exist",
+                    s.replace(stack="fitune", loss="chunked")))
     if s.method == "lora":
         out.append(("--method qlora", "4-bit NF4 base weights: slower matmuls, a small quality cost", s.replace(method="qlora")))
     if s.method in ("full", "freeze") and s.optimizer == "adamw":
@@ -39,12 +42,12 @@ def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
 
 
 def suggest_changes(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec, base: MemoryEstimate | None = None,
-                    limit: int = 3) -> list[Suggestion]:
+                    limit: int = 4) -> list[Suggestion]:
     """One-change alternatives that fit `gpu`, cheapest first (those needing allocator retries say so); then the
     smallest catalog GPU whose budget holds the reserved peak as is."""
     out: list[Suggestion] = []
     for change, why, s in _candidates(setup)[:limit]:
-        e = estimate(model, s, gpu)
+        e = estimate(model, s, gpu, allocator_steps=1)  # a screen: the first step's reserved peak
         if e.fits:
             out.append(Suggestion(change, why, e.peak_reserved_bytes, True, bool(e.retries_expected)))
     need = (base or estimate(model, setup, gpu)).peak_reserved_bytes
