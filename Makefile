@@ -24,7 +24,7 @@ demo: install
 
 install-test: install
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q $(STACK_PINS) pytest pyyaml
+	$(PIP) install -q $(STACK_PINS) pytest pyyaml matplotlib
 
 test: install-test
 	$(PY) -m pytest -q

@@ -58,15 +58,28 @@ def test_thirty_steps_of_lora_loss_falls_and_adapter_reloads(workspace):
     assert result.eval_losses and min(result.eval_losses.values()) < max(result.eval_losses.values())
     assert os.path.isfile(os.path.join(result.adapter_dir, "adapter_model.safetensors"))
     assert not any(f.endswith(".bin") for f in os.listdir(result.adapter_dir))
-    # the adapter, loaded with PEFT onto a fresh base, reproduces the trained model
+    # the adapter, loaded with PEFT onto a fresh base, reproduces the trained model's logits
     base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(base, result.adapter_dir).eval()
     ids = torch.tensor([[5, 14, 15, 16, 17, 8, 10, 2]])
-    trained = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    trained = PeftModel.from_pretrained(trained, result.adapter_dir).eval()
-    torch.testing.assert_close(reloaded(input_ids=ids).logits, trained(input_ids=ids).logits)
-    plain = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
-    assert not torch.allclose(plain(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+    trained = result.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+        plain = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+        assert not torch.allclose(plain(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+
+def test_merge_writes_weights_that_match_the_adapter(workspace):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(workspace, "merge", max_steps=3, eval_every=None, merge=True)
+    result = train(cfg, progress=False)
+    assert os.path.isfile(os.path.join(result.merged_dir, "model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(result.merged_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 14, 15, 16, 17, 8, 10, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, result.model.eval()(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_full_fine_tuning_learns_the_pattern(workspace):

@@ -52,6 +52,8 @@ class TrainResult:
     merged_dir: str | None
     plan: Plan
     interrupted: bool = False
+    model: object = None
+    """The trained model (in memory), for callers that go on using it."""
 
 
 class TrainingInterrupted(FituneError):
@@ -172,7 +174,7 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     bar.close()
     metrics.close()
     adapter_dir, merged_dir = _write_outputs(cfg, model, tokenizer)
-    return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, interrupted)
+    return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, interrupted, model)
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------
