@@ -132,7 +132,9 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     ag.drop(sq)
     rs = ag.new(FP32 * rows, x.requires_grad, f"{label}:rsqrt")
     y32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:normed")
-    ag.record(y32, [x], [x32, rs] if x.requires_grad else [], [x.nbytes], extra_bytes=3 * FP32 * x.nbytes // w, label=label)
+    # backward: pow, mean and mul each make an fp32 temporary of the input's size (separate blocks)
+    ag.record(y32, [x], [x32, rs] if x.requires_grad else [], [x.nbytes], extra_bytes=(FP32 * x.nbytes // w,) * 3,
+              label=label)
     if x32 is not x:
         ag.drop(x32)
     ag.drop(rs)
@@ -224,7 +226,10 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     masked_scores = ag.new(w * n_scores, True, "attn:masked")
     ag.record_passthrough(masked_scores, [scaled])
     ag.drop(scaled)
+    # softmax(..., dtype=torch.float32) first casts its bf16 input to fp32 (a transient the size of the output)
+    cast_in = ag.new(FP32 * n_scores, False, "attn:softmax-input-fp32")
     p32 = ag.new(FP32 * n_scores, True, "attn:softmax-fp32")
+    ag.drop(cast_in)
     # _softmax_backward_data computes the fp32 gradient, then casts it to the input dtype: two fp32 temporaries
     ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=(FP32 * n_scores, FP32 * n_scores), label="softmax")
     ag.drop(masked_scores)
