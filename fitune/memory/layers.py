@@ -208,8 +208,13 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     # eager
     k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
     n_scores = b * m.num_heads * s * s
+    # matmul(q, k.transpose(2, 3)) folds to bmm with a contiguous copy of the transposed keys; that copy is what
+    # autograd saves, while `key_states` itself lives until the function returns
+    k_t = ag.new(k_rep.nbytes, True, "attn:k^T")
+    ag.record_passthrough(k_t, [k_rep])
     scores = ag.new(w * n_scores, True, "attn:scores")
-    ag.record(scores, [q, k_rep], [q, k_rep], [q.nbytes, k_rep.nbytes], label="qk")
+    ag.record(scores, [q, k_t], [q, k_t], [q.nbytes, k_t.nbytes], label="qk")
+    ag.drop(k_t)
     scaled = ag.new(w * n_scores, True, "attn:scaled")
     ag.record(scaled, [scores], [], [scores.nbytes])  # mul/div by a constant: the gradient is a new tensor
     ag.drop(scores)
