@@ -17,6 +17,7 @@ from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec, cublas_workspace_bytes
 from ..specs.model import ModelSpec
 from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
+from ..units import GiB
 from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
 from .layers import FP32, LayerContext, decoder_layer
@@ -113,7 +114,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     adapter_bytes = trainable_bytes if setup.method in ("lora", "qlora") else 0
     state_bytes = _optimizer_state_bytes(model, setup, trainable_bytes)
     if setup.optimizer == "paged_adamw8bit":
-        notes.append(f"paged_adamw8bit keeps its {state_bytes / 2**30:.2f} GiB of state in CUDA managed memory, "
+        notes.append(f"paged_adamw8bit keeps its {state_bytes / GiB:.2f} GiB of state in CUDA managed memory, "
                      "outside PyTorch's allocator (not in the peaks); it pages to CPU under pressure")
         state_bytes_allocator = 0
     else:

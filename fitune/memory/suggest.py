@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec, catalog_gpu_names, resolve_gpu
 from ..specs.model import ModelSpec
+from ..units import GiB
 from .estimate import MemoryEstimate, estimate
 
 
@@ -54,6 +55,6 @@ def suggest_changes(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec, base: Mem
     bigger = sorted((resolve_gpu(n) for n in catalog_gpu_names()), key=lambda g: g.allocator_budget_bytes)
     for g in bigger:
         if g.allocator_budget_bytes >= need and g.supports_bf16:
-            out.append(Suggestion(f"--gpu {g.name}", f"{g.allocator_budget_bytes / 2**30:.1f} GiB for the allocator", need, True))
+            out.append(Suggestion(f"--gpu {g.name}", f"{g.allocator_budget_bytes / GiB:.1f} GiB for the allocator", need, True))
             break
     return out

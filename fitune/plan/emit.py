@@ -15,6 +15,7 @@ import os
 import re
 
 from ..setup import TrainSetup
+from ..units import GiB
 from .search import Plan, PlanRequest, describe
 
 #: Learning rates written into a plan: common starting points, not tuned (LoRA: the QLoRA paper's 2e-4 for 7B
@@ -147,8 +148,8 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                  '    device_map={"": 0},']
     load.append(")")
     body = [f"# fitune plan: {describe(s)}" + (", packing" if plan.packing else ""),
-            f"# estimate: {plan.peak_allocated_bytes / 2**30:.2f} GiB allocated, {plan.peak_reserved_bytes / 2**30:.2f} GiB "
-            f"reserved of {plan.budget_bytes / 2**30:.2f} GiB ({req.gpu.name}); predicted "
+            f"# estimate: {plan.peak_allocated_bytes / GiB:.2f} GiB allocated, {plan.peak_reserved_bytes / GiB:.2f} GiB "
+            f"reserved of {plan.budget_bytes / GiB:.2f} GiB ({req.gpu.name}); predicted "
             f"{plan.trained_tokens_per_s:,.0f} tokens/s"]
     if plan.num_gpus > 1:
         body.append(f"# data parallel: torchrun --nproc_per_node {plan.num_gpus} this_script.py "

@@ -14,6 +14,7 @@ from ..memory import estimate
 from ..setup import TrainSetup, parse_targets
 from ..specs.gpu import resolve_gpu
 from ..specs.model import load_model_spec
+from ..units import GiB
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path = argv[0] if argv else "bench/results/hf_recipe/hf_recipe.jsonl"
     rows = compare(path)
-    gib = 2**30
+    gib = GiB
     print(f"{'case':78s} {'alloc GiB':>9s} {'est':>7s} {'err':>7s} {'resv GiB':>9s} {'est':>7s} {'err':>7s}")
     for r in rows:
         print(f"{r.label:78s} {r.measured_allocated_bytes / gib:9.2f} {r.estimated_allocated_bytes / gib:7.2f} "

@@ -14,10 +14,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from ..units import human_bytes
+from ..units import GiB, MiB, human_bytes
 
 _REQUEST_RE = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
-_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+_UNITS = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "B": 1}
 
 
 @dataclass

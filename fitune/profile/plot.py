@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..units import GiB
+
 PHASE_COLOURS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer": "#e3f1dc"}
 
 
@@ -15,7 +17,7 @@ def plot_timeline(result, path: str) -> str:
     tl = result.timeline
     if not tl:
         raise ValueError("nothing to plot: the run recorded no allocations")
-    gib = 2**30
+    gib = GiB
     t = [x[0] for x in tl]
     live = [x[2] / gib for x in tl]
     fig, ax = plt.subplots(figsize=(10, 4.2), dpi=120)

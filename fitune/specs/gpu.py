@@ -15,7 +15,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..errors import UnknownGpuError
-from ..units import MiB, is_decimal_unit, parse_memory_bytes
+from ..units import GiB, MiB, is_decimal_unit, parse_memory_bytes
 
 #: Memory outside PyTorch's allocator once CUDA, cuBLAS and the first kernels are up, on a Hopper GPU
 #: (measured on an H200, torch 2.11 + CUDA 13: total 150,109,880,320 B; free 149,356,150,784 B and
@@ -25,7 +25,7 @@ HOPPER_CONTEXT_BYTES = 718_077_952
 
 #: The same on a 24 GB consumer card: a 24,564 MiB RTX 4090 leaves about 23.4 GiB to the allocator
 #: (../shared/GPU.md, the project's reference for simulating the user's card) -> 24,564 MiB - 23.4 GiB.
-CONSUMER_CONTEXT_BYTES = 24_564 * MiB - int(23.4 * 1024**3)
+CONSUMER_CONTEXT_BYTES = 24_564 * MiB - int(23.4 * GiB)
 
 
 def cuda_context_bytes(compute_capability: str) -> int:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
+from ..units import GiB
 from . import checkpoint
 from .config import TrainConfig
 
@@ -413,7 +414,7 @@ class _Bar:
     def update(self, line):
         post = {"loss": f"{line['loss']:.4f}", "tok/s": f"{line['tokens_per_s']:.0f}"}
         if line.get("peak_allocated_bytes"):
-            post["mem"] = f"{line['peak_allocated_bytes'] / 2**30:.1f}GiB"
+            post["mem"] = f"{line['peak_allocated_bytes'] / GiB:.1f}GiB"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
 
