@@ -134,6 +134,13 @@ def test_chunked_loss_trains_like_the_plain_loss(workspace):
     assert chunked.losses == pytest.approx(plain.losses, rel=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["offload", "selective:1"])
+def test_offloaded_and_selective_checkpointing_train_like_no_checkpointing(workspace, mode):
+    plain = train(_cfg(workspace, "ck-plain", max_steps=3, eval_every=None), progress=False)
+    other = train(_cfg(workspace, f"ck-{mode}", max_steps=3, eval_every=None, grad_checkpointing=mode), progress=False)
+    assert other.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_config_errors_are_listed_together(workspace):
     root, model, data, _ = workspace
     with pytest.raises(ConfigError) as info:

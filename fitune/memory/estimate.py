@@ -194,7 +194,8 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in CATEGORIES}
     breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
     if setup.stack == "fitune":
-        notes.append("--stack fitune models fitune's runner, which today runs the same steps as the HF recipe")
+        notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
+                     "checkpointing when chosen")
     return MemoryEstimate(
         model=model.name,
         setup=setup,
@@ -327,6 +328,8 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
         restored = x
         if offload:  # the input comes back from pinned host memory before the recomputation
             restored = Tensor(main.tape.alloc(x.nbytes, ACTIVATIONS, "checkpoint input (from host)"), x.nbytes, True, "x")
+        # offload: the layer below's input is prefetched while this one recomputes (one more input on the GPU)
+        prefetch = main.tape.alloc(x.nbytes, ACTIVATIONS, "prefetched checkpoint input") if offload else None
         sub2 = Autograd(main.tape, retag_saved=False)  # recomputed activations count as transients
         y2 = decoder_layer(sub2, c, restored, sliding)
         sub2._grads[y2.tid] = g
@@ -342,7 +345,7 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
                 main._grads[x.tid] = gx
             main._grad_refs[gx.tid] = 1
         if offload:
-            main.tape.free(restored.tid)
+            main.tape.free(restored.tid, prefetch)
 
     if offload:
         ag.tape.free(x.tid)  # the GPU copy goes; the host copy stays until backward

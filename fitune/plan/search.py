@@ -46,7 +46,8 @@ OPTIMIZER_PREFERENCE = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "s
 ADAM_FAMILY = ("adamw", "adamw8bit", "paged_adamw8bit")
 #: Optimizers from lightest to heaviest state in PyTorch's allocator (paged states live in managed memory).
 OPTIMIZER_BY_MEMORY = ("sgd", "paged_adamw8bit", "adafactor", "adamw8bit", "adamw")
-#: Checkpointing modes fitune's runner runs today; offload and selective:K are estimable only.
+#: Checkpointing modes the search ranks. fitune train also runs offload and selective:K; offload is offered when
+#: nothing else fits (its overlap is not calibrated), selective:K is not searched yet.
 RUNNABLE_CHECKPOINTING = ("none", "full")
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
 RUNNABLE_LOSSES = ("hf", "chunked")
@@ -173,7 +174,7 @@ class Change:
     fits: bool
     retries_expected: bool
     runnable: bool
-    """False: needs a runner feature fitune train lacks today (offloaded checkpoints, sharding)."""
+    """False: needs a runner feature fitune train lacks today (sharding over GPUs)."""
 
 
 @dataclass(frozen=True)
@@ -554,7 +555,8 @@ def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -
         break
     # more GPUs: data parallel does not help; sharding would (not modelled)
     changes.append(_sharding_change(req, minimum))
-    # runner features to come
+    # checkpoints in host memory: fitune train runs it (fitune/train/techniques/offload.py); not in the ranked
+    # search yet because the throughput model has no measured offloaded run to calibrate the overlap
     for label, kw in (("--grad-checkpointing offload", {"grad_checkpointing": "offload"}),):
         e = _judge(fast, minimum.setup.replace(**kw))
         host = f"; {_fmt(e.host_bytes)} of pinned host memory, ~{throughput.offload_transfer_s(e.host_bytes, req.gpu):.2f} s " \
@@ -562,8 +564,8 @@ def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -
         if req.host_ram_bytes is not None and e.host_bytes > req.host_ram_bytes:
             continue
         if e.fits:
-            changes.append(Change(label, f"needs a future runner feature (estimable, not in fitune train yet){host}",
-                                  e.peak_allocated_bytes, True, bool(e.retries_expected), False))
+            changes.append(Change(label, f"each checkpointed layer's input waits in pinned host memory{host}",
+                                  e.peak_allocated_bytes, True, bool(e.retries_expected), True))
     return minimum, changes
 
 

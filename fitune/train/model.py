@@ -87,6 +87,12 @@ def prepare_for_method(model, cfg: TrainConfig):
                 p.requires_grad_(True)
     if s.grad_checkpointing != "none":
         set_checkpointing(model, True)
+        from .techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
+
+        if s.checkpointed_layers_mode == "offload":
+            enable_offloaded_checkpointing(model)
+        elif s.checkpointed_layers_mode == "selective":
+            enable_selective_checkpointing(model, s.selective_k())
     return model
 
 

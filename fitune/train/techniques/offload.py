@@ -1,0 +1,130 @@
+"""Offloaded activation checkpoints: each checkpointed layer's input waits for backward in (pinned) host memory.
+
+Activation checkpointing keeps one tensor per layer on the GPU, the layer's input (2 x hidden bytes per token
+per layer: 32 layers x 8 KiB per token for Llama-3.1-8B, 8 GiB at 32k tokens). Here that input is copied to
+pinned CPU memory on a side CUDA stream as soon as the layer's forward has run, and copied back during
+backward one layer ahead of need (when layer i recomputes, layer i-1's input is already on its way), so the
+transfers overlap compute. The recomputation and its backward are the ones of reentrant checkpointing
+(`torch.utils.checkpoint` with use_reentrant=True): run the layer again with grad enabled, backpropagate the
+incoming gradient through it; parameter gradients accumulate as usual.
+
+Install with `enable_offloaded_checkpointing(model)` after `gradient_checkpointing_enable()` (it replaces the
+checkpoint function transformers' GradientCheckpointingLayer calls). Exact: tests/test_offload.py compares loss
+and gradients with the model trained without checkpointing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OffloadManager:
+    """Orders the offloaded inputs of one forward, so backward can prefetch the next one it will need."""
+
+    def __init__(self):
+        self.contexts: list = []
+        self._stream = None
+
+    def stream(self, device):
+        if self._stream is None and device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def register(self, ctx) -> int:
+        self.contexts.append(ctx)
+        return len(self.contexts) - 1
+
+    def prefetch(self, index: int) -> None:
+        """Start copying the input of context `index` back to its device (no-op if already done)."""
+        if index < 0 or index >= len(self.contexts):
+            return
+        ctx = self.contexts[index]
+        if ctx is None or getattr(ctx, "restored", None) is not None:
+            return
+        stream = self.stream(ctx.device)
+        if stream is None:  # CPU: a plain copy stands in for the transfer
+            ctx.restored = ctx.host.clone()
+            return
+        with torch.cuda.stream(stream):
+            ctx.restored = ctx.host.to(ctx.device, non_blocking=True)
+            ctx.ready = torch.cuda.Event()
+            ctx.ready.record(stream)
+
+    def release(self, index: int) -> None:
+        self.contexts[index] = None
+        if all(c is None for c in self.contexts):
+            self.contexts.clear()
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, manager, run, x):
+        ctx.run, ctx.manager, ctx.device = run, manager, x.device
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        with torch.no_grad():
+            y = run(x)
+        if x.is_cuda:
+            stream = manager.stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before it is copied
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(x, non_blocking=True)
+            x.record_stream(stream)  # the GPU copy is freed only after the transfer
+        else:
+            host = x.detach().clone()
+        ctx.host, ctx.restored, ctx.ready = host, None, None
+        ctx.index = manager.register(ctx)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        manager = ctx.manager
+        manager.prefetch(ctx.index)  # normally done already by the layer above
+        if ctx.ready is not None:
+            torch.cuda.current_stream(ctx.device).wait_event(ctx.ready)
+        x = ctx.restored.detach().requires_grad_(True)
+        ctx.restored = ctx.host = None
+        manager.prefetch(ctx.index - 1)  # the layer below: its input travels while this one recomputes
+        devices = [ctx.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+            with torch.enable_grad():
+                y = ctx.run(x)
+        torch.autograd.backward(y, grad_y)
+        manager.release(ctx.index)
+        return None, None, x.grad
+
+
+def enable_offloaded_checkpointing(model) -> OffloadManager:
+    """Make every checkpointing decoder layer of `model` keep its input in host memory (see module docstring)."""
+    manager = OffloadManager()
+
+    def checkpoint(run, hidden_states, *args):
+        if args:
+            raise ValueError("offloaded checkpointing expects the layer's hidden states as its only positional input")
+        return _OffloadedCheckpoint.apply(manager, run, hidden_states)
+
+    found = 0
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = checkpoint
+            found += 1
+    if not found:
+        raise ValueError("no checkpointing layer found: call gradient_checkpointing_enable() first")
+    return manager
+
+
+def enable_selective_checkpointing(model, k: int) -> int:
+    """Keep checkpointing on the first `k` decoder layers only (the others keep their activations: faster).
+
+    The first layers are the ones whose activations would live longest; `fitune estimate --grad-checkpointing
+    selective:K` models the same choice. Returns how many layers checkpoint.
+    """
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
+              and type(m).__name__.endswith("DecoderLayer")]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < k
+    return min(k, len(layers))
