@@ -52,6 +52,8 @@ class TrainSetup:
     """Micro-batches per optimizer step (no effect on per-step activation memory)."""
     loss: str = "hf"
     """hf (full logits upcast to fp32, as transformers does) | chunked (logits never materialised whole)."""
+    tiled_mlp: bool = False
+    """fitune's runner: run each MLP a tile of tokens at a time (its intermediates never exist for the whole sequence)."""
     stack: str = "hf"
     """hf (a plain transformers + PEFT script, the recipe in fitune/profile/hf_recipe.py) | fitune (fitune's runner)."""
 
@@ -123,6 +125,8 @@ class TrainSetup:
         if self.loss == "chunked" and self.stack == "hf":
             problems.append("--loss chunked is a technique of fitune's runner; a plain transformers script computes "
                             "full logits: use --stack fitune with it (or --loss hf)")
+        if self.tiled_mlp and self.stack == "hf":
+            problems.append("--tiled-mlp is a technique of fitune's runner: use --stack fitune with it")
         if self.method == "qlora" and self.dtype == "fp32":
             problems.append("--method qlora computes in bf16/fp16; --dtype fp32 does not apply (use --dtype bf16)")
         if problems:
@@ -146,7 +150,7 @@ DEFAULT_SETUP = TrainSetup()
 _YAML_FIELDS = {
     "method": "method", "dtype": "dtype", "grad_checkpointing": "grad_checkpointing", "attn": "attn",
     "optimizer": "optimizer", "batch_size": "batch_size", "seq_len": "seq_len_tokens", "grad_accum": "grad_accum",
-    "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers",
+    "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers", "tiled_mlp": "tiled_mlp",
 }
 
 

@@ -134,10 +134,11 @@ def test_chunked_loss_trains_like_the_plain_loss(workspace):
     assert chunked.losses == pytest.approx(plain.losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["offload", "selective:1"])
-def test_offloaded_and_selective_checkpointing_train_like_no_checkpointing(workspace, mode):
+@pytest.mark.parametrize("mode", ["offload", "selective:1", "tiled_mlp"])
+def test_memory_techniques_train_like_the_plain_step(workspace, mode):
     plain = train(_cfg(workspace, "ck-plain", max_steps=3, eval_every=None), progress=False)
-    other = train(_cfg(workspace, f"ck-{mode}", max_steps=3, eval_every=None, grad_checkpointing=mode), progress=False)
+    change = {"tiled_mlp": True} if mode == "tiled_mlp" else {"grad_checkpointing": mode}
+    other = train(_cfg(workspace, f"ck-{mode}", max_steps=3, eval_every=None, **change), progress=False)
     assert other.losses == pytest.approx(plain.losses, rel=1e-5)
 
 

@@ -62,6 +62,8 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"adamw | adamw8bit | paged_adamw8bit | adafactor | sgd (default {d.optimizer})")
     p.add_argument("--dtype", default=d.dtype, help=f"bf16 | fp16 | fp32 (default {d.dtype})")
     p.add_argument("--loss", default=d.loss, help=f"hf (full fp32 logits, as transformers) | chunked (default {d.loss})")
+    p.add_argument("--tiled-mlp", action="store_true", help="fitune's runner: run each MLP a tile of tokens at a "
+                   "time (needs --stack fitune)")
     p.add_argument("--stack", default=d.stack, help="hf (a plain transformers + PEFT script) | fitune (fitune's "
                    f"runner) (default {d.stack})")
 
@@ -71,6 +73,7 @@ def setup_from_args(args) -> TrainSetup:
         method=args.method, lora_rank=args.lora_rank, lora_targets=parse_targets(args.lora_targets),
         dtype=args.dtype, grad_checkpointing=args.grad_checkpointing, attn=args.attn, optimizer=args.optimizer,
         batch_size=args.batch_size, seq_len_tokens=args.seq_len, loss=args.loss, stack=args.stack,
+        tiled_mlp=args.tiled_mlp,
     )
 
 

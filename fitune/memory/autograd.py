@@ -90,6 +90,8 @@ class Autograd:
 
     def save_only(self, saved: list[Tensor], label: str = "") -> None:
         """Keep tensors alive until backward reaches this point (e.g. checkpoint inputs)."""
+        if not self.keep_saved:
+            return
         for t in saved:
             self._saved_refs[t.tid] = self._saved_refs.get(t.tid, 0) + 1
             if self.tape.category_of(t.tid) == TRANSIENTS:

@@ -21,6 +21,9 @@ from ..units import GiB
 from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
 from .layers import FP32, LayerContext, decoder_layer
+
+#: Tokens per tile of fitune's tiled MLP (fitune.train.techniques.tiled_mlp.TILE_TOKENS).
+TILE_TOKENS = 4096
 from .tape import (ACTIVATIONS, ADAPTERS, BACKWARD, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
                    OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Tape, replay)
 
@@ -141,6 +144,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         lora_targets=adapters.lora_targets(model, setup), lora_rank=setup.lora_rank,
         qlora=setup.method == "qlora", trainable_base=setup.method == "full", attn=setup.attn,
         use_cache=mode == "none" and setup.stack == "hf",
+        tiled_mlp_tokens=TILE_TOKENS if setup.tiled_mlp else 0,
     )
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")

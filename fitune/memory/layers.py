@@ -30,6 +30,7 @@ class LayerContext:
     trainable_base: bool  # full fine-tuning of this layer: base weights train (and save their inputs)
     attn: str  # sdpa | flash | eager
     use_cache: bool  # transformers builds a DynamicCache (no checkpointing): k, v are copied into it
+    tiled_mlp_tokens: int = 0  # fitune's tiled MLP: tokens per tile (0: off)
 
     @property
     def tokens(self) -> int:
@@ -311,6 +312,55 @@ def _view_as_new(ag: Autograd, base: Tensor, nbytes: int, label: str) -> Tensor:
 
 
 def mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
+    if c.tiled_mlp_tokens and c.tokens > c.tiled_mlp_tokens:
+        return tiled_mlp_block(ag, c, x)
+    return plain_mlp_block(ag, c, x)
+
+
+def tiled_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
+    """fitune's tiled MLP (fitune/train/techniques/tiled_mlp.py): forward tile by tile keeping nothing but the MLP's
+    input; backward recomputes and differentiates one tile at a time, writing into the input's gradient.
+
+    Forward: the output (hidden x act_bytes per token) plus one tile's working set at a time. Backward: the input's
+    gradient plus one tile's recomputed activations and gradients. Every tile has the same shape, so one is
+    written on the tape.
+    """
+    from dataclasses import replace
+
+    tile = replace(c, batch_size=1, seq_len_tokens=c.tiled_mlp_tokens, tiled_mlp_tokens=0)
+    out = ag.new(x.nbytes, True, "mlp:tiled-out")
+    sub = Autograd(ag.tape, keep_saved=False)
+    t_in = ag.new(x.nbytes * tile.tokens // c.tokens, False, "mlp:tile-in")
+    t_out = plain_mlp_block(sub, tile, Tensor(t_in.tid, t_in.nbytes, True, "tile"))
+    sub.drop(t_out)
+    ag.drop(t_in)
+    ag.save_only([x], "tiled MLP input")
+
+    def backward(main: Autograd, output: Tensor | None) -> None:
+        g = main.take_grad(output)
+        if g is None:
+            return
+        gx = main.new(x.nbytes, True, "grad:mlp-input")
+        t_x = main.new(x.nbytes * tile.tokens // c.tokens, True, "mlp:tile-in (recomputed)")
+        sub2 = Autograd(main.tape, retag_saved=False)
+        t_y = plain_mlp_block(sub2, tile, t_x)
+        t_g = sub2.new(t_y.nbytes, True, "grad:mlp tile")
+        sub2._grads[t_y.tid] = t_g
+        sub2._grad_refs[t_g.tid] = 1
+        sub2.drop(t_y)
+        sub2.backward()
+        main.param_grads.extend(sub2.param_grads)
+        leftover = sub2._grads.pop(t_x.tid, None)
+        main.tape.free(t_x.tid, leftover.tid if leftover is not None else None)
+        main.drop_grad(g)
+        main._grads[x.tid] = gx
+        main._grad_refs[gx.tid] = 1
+
+    ag.custom(backward, out, "tiled MLP")
+    return out
+
+
+def plain_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
     """Gated MLP: `down_proj(act(gate_proj(x)) * up_proj(x))` (SiLU for Llama/Qwen/Mistral, tanh-GELU for Gemma).
 
     The activation saves its input, the product saves both factors: 3 x intermediate x act_bytes per token.

@@ -139,7 +139,7 @@ class TrainConfig:
             "method": s.method, "lora": {"rank": s.lora_rank, "alpha": s.lora_alpha, "targets": list(s.lora_targets)},
             "dtype": s.dtype, "grad_checkpointing": s.grad_checkpointing, "attn": s.attn, "optimizer": s.optimizer,
             "batch_size": s.batch_size, "seq_len": s.seq_len_tokens, "grad_accum": s.grad_accum, "loss": s.loss,
-            "stack": s.stack,
+            "stack": s.stack, "tiled_mlp": s.tiled_mlp,
             "data": {k: v for k, v in dataclasses.asdict(self.data).items() if v is not None},
         })
         return {k: v for k, v in d.items() if v is not None}
@@ -148,7 +148,7 @@ class TrainConfig:
 #: YAML keys that are TrainConfig fields (the TrainSetup keys are read by `setup_from_config`).
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"setup", "data"}
 _SETUP_KEYS = {"method", "dtype", "grad_checkpointing", "attn", "optimizer", "batch_size", "seq_len", "grad_accum",
-               "loss", "stack", "freeze_trainable_layers", "lora"}
+               "loss", "stack", "freeze_trainable_layers", "lora", "tiled_mlp"}
 
 
 def config_from_dict(doc: dict, source: str = "config", overrides: dict | None = None) -> TrainConfig:

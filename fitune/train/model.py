@@ -85,6 +85,10 @@ def prepare_for_method(model, cfg: TrainConfig):
         for layer in list(layers)[-s.freeze_trainable_layers:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
+    if s.tiled_mlp:
+        from .techniques.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)
     if s.grad_checkpointing != "none":
         set_checkpointing(model, True)
         from .techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
