@@ -125,9 +125,8 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     weight saves nothing per token. Forward temporaries: pow output, the normalised fp32 tensor, its cast.
     Gemma computes `output * (1 + weight)` in fp32 as well, one more fp32 temporary.
     """
-    T, w = c.tokens, c.act_bytes
-    rows = T * (1 if width == c.model.hidden_size else max(1, c.model.hidden_size // max(width, 1)))
-    rows = T if label in ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "final_norm") else rows
+    w = c.act_bytes
+    rows = x.nbytes // w // width  # one rsqrt per normalised vector (per token, or per head for q/k norms)
     x32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:fp32") if w != FP32 else x
     sq = ag.new(FP32 * x.nbytes // w, False, f"{label}:pow")
     ag.drop(sq)
@@ -141,7 +140,7 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     ag.drop(rs)
     if gemma:
         y2 = ag.new(FP32 * x.nbytes // w, y32.requires_grad, f"{label}:scaled")
-        ag.record(y2, [y32], [], [y32.nbytes])  # mul/div by a constant: the gradient is a new tensor
+        ag.record(y2, [y32], [], [y32.nbytes])  # times the frozen (1 + weight): the gradient is a new tensor
         ag.drop(y32)
         y32 = y2
     out = ag.new(x.nbytes, y32.requires_grad, f"{label}:out")
@@ -149,7 +148,7 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     ag.drop(y32)
     if not gemma:  # llama: `self.weight * hidden_states.to(input_dtype)`: one more activation-sized tensor
         out2 = ag.new(x.nbytes, out.requires_grad, f"{label}:weighted")
-        ag.record(out2, [out], [], [out.nbytes])  # mul/div by a constant: the gradient is a new tensor
+        ag.record(out2, [out], [], [out.nbytes])  # times the frozen weight: the gradient is a new tensor
         ag.drop(out)
         out = out2
     return out
