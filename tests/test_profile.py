@@ -50,6 +50,17 @@ def test_categories_add_up_and_match_the_estimate(tmp_path, family, ckpt):
     assert r.breakdown["adapter_weights"] == est.breakdown["adapter_weights"]
 
 
+@pytest.mark.parametrize("changes", [{"loss": "chunked"}, {"tiled_mlp": True, "grad_checkpointing": "offload"}])
+def test_fitune_stack_techniques_match_the_estimate(tmp_path, changes):
+    path = _config(tmp_path)
+    spec = load_model_spec(path)
+    setup = TrainSetup(batch_size=2, seq_len_tokens=64, stack="fitune", **changes)
+    r = profile(spec, setup, source=path, steps=2, device="cpu")
+    est = estimate(spec, setup, device="cpu")
+    assert r.oom is None and sum(r.breakdown.values()) == r.peak_allocated_bytes
+    assert abs(r.peak_allocated_bytes - est.peak_allocated_bytes) <= 0.05 * r.peak_allocated_bytes
+
+
 def test_profile_json_keys_are_stable(tmp_path, capsys):
     path = _config(tmp_path)
     assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--json"]) == 0

@@ -11,7 +11,8 @@ from ..units import human_bytes
 from .estimate import LABELS, add_setup_arguments, setup_from_args
 
 DESCRIPTION = """\
-Run real training steps (the HF recipe: transformers + PEFT, as users write it) and measure them: peak allocated
+Run real training steps and measure them (--stack hf: the HF recipe, transformers + PEFT as users write it;
+--stack fitune: fitune's runner with its chunked loss, tiled MLP, offloaded or selective checkpointing): peak allocated
 and reserved memory per phase, the peak split into the estimator's categories next to `fitune estimate`'s figure
 for each, tokens/s and MFU, allocator retries and fragmentation. An out-of-memory error becomes a post-mortem
 (what filled the card, by category and source line, and the changes that would fit) and exit status 1.

@@ -151,8 +151,18 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         for layer in list(layers)[-setup.freeze_trainable_layers:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
+    if setup.tiled_mlp:
+        from ..train.techniques.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)
     if setup.grad_checkpointing != "none":
         hf_recipe.enable_checkpointing(model)
+        from ..train.techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
+
+        if setup.checkpointed_layers_mode == "offload":
+            enable_offloaded_checkpointing(model)
+        elif setup.checkpointed_layers_mode == "selective":
+            enable_selective_checkpointing(model, setup.selective_k())
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(setup, trainable)
     ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)
@@ -173,7 +183,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
                     if cuda:
                         torch.cuda.reset_peak_memory_stats()
                     if phase == "forward":
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = _forward_loss(model, ids, setup)
                     elif phase == "backward":
                         loss.backward()
                     else:
@@ -228,6 +238,18 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         if cap_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(1.0)
     return result
+
+
+def _forward_loss(model, ids, setup: TrainSetup):
+    """The step's loss as the chosen stack computes it: transformers' (the HF recipe), or fitune's runner (no KV
+    cache; the chunked loss when asked)."""
+    if setup.stack == "hf":
+        return model(input_ids=ids, labels=ids).loss
+    if setup.loss == "chunked":
+        from ..train.techniques.chunked_loss import causal_lm_chunked_loss
+
+        return causal_lm_chunked_loss(model, ids, ids, use_cache=False)
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _record_phase(phases: dict, phase: str, tracker, cuda: bool) -> None:
