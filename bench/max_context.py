@@ -1,0 +1,176 @@
+"""Issue 5: the longest sequence (batch 1) each stack trains under a card's allocator budget. Run on the GPU machine.
+
+For one stack per process (liger patches transformers' classes globally): build the model once, then probe
+sequence lengths - doubling from --start until a step runs out of memory, then bisecting to --resolution tokens.
+A probe runs --steps training steps at batch 1; it fits when every step completes under the cap. One JSON line
+per probe, appended to --out as it ends.
+
+Stacks:
+  hf        the HF recipe with checkpointing (transformers' loss)            fitune/profile/hf_recipe.py
+  hf_liger  the same with Liger's kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE)
+  fitune    fitune's runner: offloaded checkpoints + chunked loss + tiled MLP
+
+    PYTHONPATH=. python3 bench/max_context.py --stack fitune --method qlora --lora-rank 32 --lora-targets all-linear \\
+        --cap rtx4090 --out $OUT/max_context.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fitune.profile import hf_recipe  # noqa: E402
+from fitune.specs.model import load_model_spec  # noqa: E402
+
+
+def build(args, device):
+    import torch
+
+    spec = load_model_spec(args.model)
+    if args.stack == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()  # patches the Llama classes before the model is built
+    model = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=device)
+    if args.method == "qlora":
+        hf_recipe.quantize_decoder_to_nf4(model)
+    targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    model = hf_recipe.wrap_lora(model, args.lora_rank, targets)
+    hf_recipe.enable_checkpointing(model)
+    if args.stack == "fitune":
+        from fitune.train.techniques.offload import enable_offloaded_checkpointing
+        from fitune.train.techniques.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)
+        enable_offloaded_checkpointing(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    return spec, model, opt
+
+
+def step(args, model, opt, ids):
+    if args.stack == "fitune":
+        from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
+
+        loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
+    else:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def probe(args, spec, model, opt, seq: int, device: str) -> dict:
+    import torch
+
+    rec = {"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
+           "lora_targets": args.lora_targets, "seq_len_tokens": seq, "cap": args.cap}
+    ids = torch.randint(0, spec.vocab_size, (1, seq), device=device)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    times = []
+    try:
+        for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(args, model, opt, ids)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rec["fits"] = True
+        rec["tokens_per_s"] = seq / min(times[1:] or times)
+    except Exception as exc:  # noqa: BLE001 - an OOM is the answer of a probe
+        from fitune.profile.oom import is_oom
+
+        if not is_oom(exc):
+            raise
+        rec["fits"] = False
+        rec["error"] = str(exc).splitlines()[0][:200]
+        opt.zero_grad(set_to_none=True)
+    if cuda:
+        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        rec["num_alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+    del ids
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def search(fits, start: int, resolution: int, limit: int) -> int:
+    """Largest n (a multiple of `resolution`) with fits(n): double from `start`, then bisect."""
+    lo, hi = 0, None
+    n = start
+    while n <= limit:
+        if fits(n):
+            lo = n
+            n *= 2
+        else:
+            hi = n
+            break
+    if hi is None:
+        return lo
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2 // resolution * resolution
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stack", choices=("hf", "hf_liger", "fitune"), required=True)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--method", choices=("lora", "qlora"), default="lora")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-targets", default="q_proj,v_proj")
+    p.add_argument("--cap", default="rtx4090")
+    p.add_argument("--start", type=int, default=4096)
+    p.add_argument("--resolution", type=int, default=1024)
+    p.add_argument("--limit", type=int, default=262144)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    import torch
+
+    if args.device == "cuda" and args.cap:
+        from fitune.specs.gpu import resolve_gpu
+
+        budget = resolve_gpu(args.cap).allocator_budget_bytes
+        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    spec, model, opt = build(args, args.device)
+
+    def fits(seq: int) -> bool:
+        rec = probe(args, spec, model, opt, seq, args.device)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps({k: rec.get(k) for k in ("stack", "method", "seq_len_tokens", "fits", "tokens_per_s")}),
+              flush=True)
+        return rec["fits"]
+
+    best = search(fits, args.start, args.resolution, args.limit)
+    with open(args.out, "a") as f:
+        f.write(json.dumps({"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
+                            "lora_targets": args.lora_targets, "cap": args.cap, "max_seq_len_tokens": best}) + "\n")
+    print(f"{args.stack} {args.method}: {best} tokens fit under {args.cap}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""The GPU benchmark scripts' logic, on the CPU (their measurements are taken on the GPU machine)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("threshold", [1000, 4096, 5000, 70000, 300000])
+def test_max_context_search_finds_the_threshold(threshold):
+    search = _load("max_context").search
+    probes = []
+
+    def fits(n):
+        probes.append(n)
+        return n <= threshold
+
+    best = search(fits, start=4096, resolution=1024, limit=262144)
+    expected = 0 if threshold < 4096 else min(threshold // 1024 * 1024, 262144)
+    if threshold >= 262144:
+        expected = max(n for n in probes if n <= threshold)
+    assert best == expected
+    assert len(probes) <= 16
+
+
+def test_max_context_runs_on_a_tiny_model(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 300, "max_position_embeddings": 4096}))
+    out = tmp_path / "probe.jsonl"
+    for stack in ("hf", "fitune"):
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "max_context.py"), "--stack", stack, "--model",
+                        str(cfg), "--device", "cpu", "--cap", "", "--start", "64", "--resolution", "64",
+                        "--limit", "256", "--steps", "1", "--out", str(out)], check=True, cwd=ROOT,
+                       capture_output=True, text=True)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    finals = [x for x in lines if "max_seq_len_tokens" in x]
+    assert [x["max_seq_len_tokens"] for x in finals] == [256, 256]  # no cap on the CPU: everything fits
+    assert all(x["fits"] for x in lines if "fits" in x)
+
+
+def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 300, "max_position_embeddings": 4096}))
+    out = tmp_path / "tps.jsonl"
+    for stack in ("hf", "fitune"):
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "throughput.py"), "--stack", stack, "--model",
+                        str(cfg), "--device", "cpu", "--cap", "", "--seq-len", "64", "--steps", "2",
+                        "--selective", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["stack"], x["grad_checkpointing"]) for x in lines] == [
+        ("hf", "none"), ("hf", "full"), ("fitune", "none"), ("fitune", "selective:1"), ("fitune", "full"),
+        ("fitune", "full")]
+    assert all(x["fits"] and x["tokens_per_s"] > 0 for x in lines)
