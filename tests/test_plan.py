@@ -46,7 +46,7 @@ def test_extrapolated_estimate_matches_the_full_one(name, ckpt):
         assert f.peak_allocated_bytes == pytest.approx(e.peak_allocated_bytes, rel=0.01), case
         assert f.fits == e.fits
         # the reserved peak is a screen only: fragmentation is not linear in depth (every plan is confirmed)
-        assert f.peak_reserved_bytes == pytest.approx(e.peak_reserved_bytes, rel=0.10), case
+        assert f.peak_reserved_bytes == pytest.approx(e.peak_reserved_bytes, rel=0.15), case
 
 
 def test_shallow_models_keep_the_layer_pattern():
