@@ -44,6 +44,7 @@ class _Node:
     label: str = ""
     custom: Callable[["Autograd", Tensor | None], None] | None = None
     passthrough: bool = False  # the output's gradient is handed to the inputs as is (add, views)
+    grads_last: bool = False  # the kernel frees its incoming gradient and saved tensors before writing the input's
 
 
 @dataclass
@@ -70,7 +71,8 @@ class Autograd:
                 self.tape.free(t.tid)
 
     def record(self, output: Tensor | None, inputs: list[Tensor], saved: list[Tensor], grad_bytes: list[int] | None = None,
-               extra_bytes: int | tuple[int, ...] = 0, param_grad_bytes: int = 0, label: str = "") -> None:
+               extra_bytes: int | tuple[int, ...] = 0, param_grad_bytes: int = 0, label: str = "",
+               grads_last: bool = False) -> None:
         """Record the backward of an op whose output is `output` (when anything requires grad)."""
         if not any(t.requires_grad for t in inputs) and not param_grad_bytes:
             return
@@ -81,7 +83,7 @@ class Autograd:
             if self.retag_saved and self.tape.category_of(t.tid) == TRANSIENTS:
                 self.tape.retag(t.tid, ACTIVATIONS)
         gb = grad_bytes if grad_bytes is not None else [t.nbytes for t in inputs]
-        self.nodes.append(_Node(output, inputs, saved, gb, extra_bytes, param_grad_bytes, label))
+        self.nodes.append(_Node(output, inputs, saved, gb, extra_bytes, param_grad_bytes, label, grads_last=grads_last))
 
     def record_passthrough(self, output: Tensor, inputs: list[Tensor], label: str = "") -> None:
         """An op whose backward hands its output's gradient to every input unchanged (add, reshape)."""
@@ -160,12 +162,16 @@ class Autograd:
             extra = [self.tape.alloc(n, TRANSIENTS, node.label + ":bwd") for n in sizes if n]
             if node.param_grad_bytes:
                 self.param_grads.append(self.tape.alloc(node.param_grad_bytes, GRADIENTS, node.label + ":param-grad"))
+            if node.grads_last:  # e.g. softmax's backward: its fp32 result is cast into the input's gradient last
+                self.drop_grad(g_out)
+                self.release_saved(node.saved)
             for t, gb in zip(node.inputs, node.grad_bytes):
                 if t.requires_grad and gb:
                     self.give_grad(t, gb, f"grad:{t.label}")
             self.tape.free(*extra)
-            self.drop_grad(g_out)
-            self.release_saved(node.saved)
+            if not node.grads_last:
+                self.drop_grad(g_out)
+                self.release_saved(node.saved)
 
 
 def saved_category() -> str:

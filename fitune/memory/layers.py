@@ -236,19 +236,22 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     p32 = ag.new(FP32 * n_scores, True, "attn:softmax-fp32")
     ag.drop(cast_in)
     # _softmax_backward_data computes the fp32 gradient, then casts it to the input dtype: two fp32 temporaries
-    ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=(FP32 * n_scores, FP32 * n_scores), label="softmax")
+    ag.record(p32, [masked_scores], [p32], [w * n_scores], extra_bytes=(FP32 * n_scores, FP32 * n_scores), label="softmax",
+              grads_last=True)
     ag.drop(masked_scores)
     p = ag.new(w * n_scores, True, "attn:probs")
     ag.record(p, [p32], [], [FP32 * n_scores], label="probs-cast")
     ag.drop(p32)
     out = ag.new(w * qd * T, True, "attn:pv")
-    ag.record(out, [p, v_rep], [p, v_rep], [p.nbytes, v_rep.nbytes], label="pv")
+    # bmm's backward writes the gradient of its second operand first (measured traces)
+    ag.record(out, [v_rep, p], [p, v_rep], [v_rep.nbytes, p.nbytes], label="pv")
     ag.drop(p)
     if gqa:
         ag.drop(k_rep, v_rep)
-    # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout
+    # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout; in backward, bmm needs the
+    # transposed gradient contiguous again: a copy of the same size
     out2 = ag.new(out.nbytes, True, "attn:contiguous")
-    ag.record_passthrough(out2, [out])
+    ag.record(out2, [out], [], [out.nbytes])
     ag.drop(out)
     return out2
 
