@@ -207,7 +207,6 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
             phase_peaks += [(p.optimizer_peak_allocated_bytes, p.optimizer_peak_reserved_bytes) for p in peaks]
             record["peak_allocated_bytes"] = max(a for a, _ in phase_peaks)
             record["peak_reserved_bytes"] = max(r for _, r in phase_peaks)
-            last = peaks[-1]
             record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
             record["num_alloc_retries_total"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             record["ok"] = True

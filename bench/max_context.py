@@ -17,14 +17,13 @@ Stacks:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import cap_allocator, timed_steps  # noqa: E402
 from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
@@ -72,39 +71,8 @@ def probe(args, spec, model, opt, seq: int, device: str) -> dict:
     rec = {"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
            "lora_targets": args.lora_targets, "seq_len_tokens": seq, "cap": args.cap}
     ids = torch.randint(0, spec.vocab_size, (1, seq), device=device)
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    times = []
-    try:
-        for _ in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(args, model, opt, ids)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rec["fits"] = True
-        rec["tokens_per_s"] = seq / min(times[1:] or times)
-    except Exception as exc:  # noqa: BLE001 - an OOM is the answer of a probe
-        from fitune.profile.oom import is_oom
-
-        if not is_oom(exc):
-            raise
-        rec["fits"] = False
-        rec["error"] = str(exc).splitlines()[0][:200]
-        opt.zero_grad(set_to_none=True)
-    if cuda:
-        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        rec["num_alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
-    del ids
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    rec.update(timed_steps(lambda: step(args, model, opt, ids), args.steps, seq, device))
+    opt.zero_grad(set_to_none=True)  # an OOM can leave partial gradients
     return rec
 
 
@@ -147,13 +115,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    import torch
-
-    if args.device == "cuda" and args.cap:
-        from fitune.specs.gpu import resolve_gpu
-
-        budget = resolve_gpu(args.cap).allocator_budget_bytes
-        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    cap_allocator(args.cap, args.device)
     spec, model, opt = build(args, args.device)
 
     def fits(seq: int) -> bool:

@@ -15,14 +15,13 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import cap_allocator, timed_steps  # noqa: E402
 from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
@@ -55,50 +54,22 @@ def measure(args, spec, base, variant: dict, device: str) -> dict:
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
     rec = {"stack": args.stack, "model": args.model, "cap": args.cap, "batch_size": args.batch_size,
            "seq_len_tokens": args.seq_len, **variant}
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    times = []
-    try:
-        for _ in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if variant.get("loss") == "chunked":
-                from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
 
-                loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
-            else:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rec["fits"] = True
-        rec["tokens_per_s"] = args.batch_size * args.seq_len / (sum(times[1:]) / max(1, len(times) - 1))
-    except Exception as exc:  # noqa: BLE001 - an OOM is a result here
-        from fitune.profile.oom import is_oom
+    def run_step():
+        if variant.get("loss") == "chunked":
+            from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
 
-        if not is_oom(exc):
-            raise
-        rec["fits"] = False
-        rec["error"] = str(exc).splitlines()[0][:200]
-    if cuda:
-        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        rec["num_alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+            loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rec.update(timed_steps(run_step, args.steps, args.batch_size * args.seq_len, device))
     if ckpt != "none":
         hf_recipe.disable_checkpointing(model)
-    model.unload()
-    del model, opt, ids
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    model.unload()  # back to the plain base model for the next variant
     return rec
 
 
@@ -114,13 +85,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    import torch
-
-    if args.device == "cuda" and args.cap:
-        from fitune.specs.gpu import resolve_gpu
-
-        budget = resolve_gpu(args.cap).allocator_budget_bytes
-        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    cap_allocator(args.cap, args.device)
     if args.stack == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 

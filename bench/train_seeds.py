@@ -16,6 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import yaml  # noqa: E402
+
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
 
 
@@ -45,8 +47,6 @@ def main() -> int:
         "chunked": {**base, "grad_checkpointing": "full", "loss": "chunked"},  # + fitune's chunked loss
     }
     if os.path.exists(os.path.join(args.out, "plan.yaml")):
-        import yaml
-
         plan = yaml.safe_load(open(os.path.join(args.out, "plan.yaml")))
         plan.pop("epochs", None)
         runs["plan"] = {**plan, "model": args.model, "init": "random", "tokenizer": tok,
@@ -56,8 +56,6 @@ def main() -> int:
             continue
         cfg = {**runs[name], "output_dir": os.path.join(work, name)}
         path = os.path.join(work, f"{name}.yaml")
-        import yaml
-
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
         cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]

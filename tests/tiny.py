@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "red", "blue", "big", "small", "ran", "to", "home", "what",
          "is", "color", "sky", "grass", "green", "yes", "no", "hello", "world", "answer", "question", "one", "two"]

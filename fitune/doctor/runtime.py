@@ -495,8 +495,8 @@ class RunMonitor:
                     "does not describe.",
                     "check that the setup matches the script (batch, sequence length, checkpointing, LoRA targets, "
                     "dtype); then look for tensors kept alive (outputs, logits) or padding beyond the sequence length",
-                    f"measured in this run (torch.cuda.max_memory_allocated per phase) vs fitune estimate "
-                    f"(validated against bench/results/hf_recipe/hf_recipe.jsonl)"))
+                    "measured in this run (torch.cuda.max_memory_allocated per phase) vs fitune estimate "
+                    "(validated against bench/results/hf_recipe/hf_recipe.jsonl)"))
         return out
 
     # ---- helpers -------------------------------------------------------------------------------------------------

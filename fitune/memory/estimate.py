@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..setup import TrainSetup
-from ..specs.gpu import GpuSpec, cublas_workspace_bytes
+from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
 from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
 from ..units import GiB
@@ -24,7 +24,7 @@ from .layers import FP32, LayerContext, decoder_layer
 
 #: Tokens per tile of fitune's tiled MLP (fitune.train.techniques.tiled_mlp.TILE_TOKENS).
 TILE_TOKENS = 4096
-from .tape import (ACTIVATIONS, ADAPTERS, BACKWARD, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
+from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, LOGITS, OPTIMIZER,
                    OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Tape, replay)
 
 ALLOCATOR_OVERHEAD = "allocator_overhead"

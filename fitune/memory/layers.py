@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from ..specs.model import LinearSpec, ModelSpec
 from .autograd import Autograd, Tensor
-from .tape import ACTIVATIONS, TRANSIENTS
 
 FP32 = 4
 

@@ -136,7 +136,7 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                       "TrainingArguments")
     if s.method in ("lora", "qlora"):
         imports.append("from peft import LoraConfig, get_peft_model")
-    load = [f"model = AutoModelForCausalLM.from_pretrained(",
+    load = ["model = AutoModelForCausalLM.from_pretrained(",
             f"    {json.dumps(model_ref)},",
             f"    dtype={dtype},",
             f"    attn_implementation={json.dumps(HF_ATTN[s.attn])},"]

@@ -126,7 +126,6 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     import torch
 
     from ..memory import estimate
-    from . import hf_recipe
     from .oom import build_report
     from .tracker import CATEGORIES, MemoryTracker
 
@@ -141,28 +140,9 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))
     model = build_model(model_spec, source or model_spec.name, setup, device)
-    if setup.method in ("lora", "qlora"):
-        model = hf_recipe.wrap_lora(model, setup.lora_rank, "all-linear" if setup.all_linear else list(setup.lora_targets),
-                                    alpha=setup.lora_alpha)
-    elif setup.method == "freeze":
-        layers = hf_recipe._decoder_layers(model)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for layer in list(layers)[-setup.freeze_trainable_layers:]:
-            for p in layer.parameters():
-                p.requires_grad_(True)
-    if setup.tiled_mlp:
-        from ..train.techniques.tiled_mlp import enable_tiled_mlp
+    from ..train.model import prepare_for_setup
 
-        enable_tiled_mlp(model)
-    if setup.grad_checkpointing != "none":
-        hf_recipe.enable_checkpointing(model)
-        from ..train.techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
-
-        if setup.checkpointed_layers_mode == "offload":
-            enable_offloaded_checkpointing(model)
-        elif setup.checkpointed_layers_mode == "selective":
-            enable_selective_checkpointing(model, setup.selective_k())
+    model = prepare_for_setup(model, setup)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(setup, trainable)
     ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)

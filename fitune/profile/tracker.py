@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import ConfigError
+from ..setup import TrainSetup
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -71,10 +72,15 @@ def load_model(cfg: TrainConfig, device: str):
 
 
 def prepare_for_method(model, cfg: TrainConfig):
-    """Wrap with PEFT LoRA, or choose the trainable layers; turn on checkpointing as configured."""
+    """Wrap with PEFT LoRA, or choose the trainable layers; turn on the memory techniques the setup asks for."""
+    return prepare_for_setup(model, cfg.setup)
+
+
+def prepare_for_setup(model, s: TrainSetup):
+    """The method's trainable parameters (LoRA adapters, the last layers for freeze, everything for full) and the
+    memory techniques of `s`: tiled MLP, checkpointing (full, offloaded, selective). Shared by train and profile."""
     from ..profile import hf_recipe
 
-    s = cfg.setup
     if s.method in ("lora", "qlora"):
         targets = "all-linear" if s.all_linear else list(s.lora_targets)
         model = hf_recipe.wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha)
