@@ -17,21 +17,12 @@ def test_enough_cases_over_enough_architectures():
     assert len({r.label.split()[0] for r in ROWS}) >= 4
 
 
-#: The one measured case whose reserved peak the engine misses by more than 5 % (8.7 % low): its second step
-#: splits a cached 4,000 MiB logits block and reserves one more (reproducible in a fresh process:
-#: bench/results/hf_recipe/fresh_process/), a caching-allocator cascade the tape does not reproduce.
-#: Strict, so the test says so the day the engine gets it right.
-RESERVED_KNOWN_MISS = {"gemma-2-2b lora q_proj,v_proj r8 2x2048 ckpt=none eager"}
-
-
 @pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
 def test_within_3pct_allocated(row):
     assert abs(row.allocated_error_pct) <= 3.0, row
 
 
-@pytest.mark.parametrize("row", [
-    pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="allocator cascade not modelled: 8.7 % low"))
-    if r.label in RESERVED_KNOWN_MISS else r for r in ROWS], ids=[r.label for r in ROWS])
+@pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
 def test_within_5pct_reserved(row):
     assert abs(row.reserved_error_pct) <= 5.0, row
 

@@ -59,10 +59,24 @@ class Autograd:
     """False inside a checkpointed forward: the pack hook drops what autograd would save."""
     retag_saved: bool = True
     """False in a checkpointed layer's recomputation: what it saves lives only through that layer's backward."""
+    _on_return: list = field(default_factory=list)
+    forward_end: list = field(default_factory=list)
+    """Tensors Python holds until the model's forward returns (e.g. the KV cache); freed by the caller."""
 
     # ---- forward side ---------------------------------------------------------------------------------
     def new(self, nbytes: int, requires_grad: bool, label: str, category: str = TRANSIENTS) -> Tensor:
         return Tensor(self.tape.alloc(nbytes, category, label), int(nbytes), requires_grad, label, category)
+
+    def defer_until_return(self, *tensors: Tensor) -> None:
+        """Locals of a module that die when it returns (`drop_returned`)."""
+        self._on_return.extend(tensors)
+
+    def drop_returned(self) -> None:
+        self.drop(*self._on_return)
+        self._on_return.clear()
+
+    def defer_until_forward_end(self, *tensors: Tensor) -> None:
+        self.forward_end.extend(tensors)
 
     def drop(self, *tensors: Tensor | None) -> None:
         """Python drops its reference: free unless autograd saved the tensor."""

@@ -178,6 +178,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     else:
         loss = loss_terms.hf_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full")
     ag.drop(h)
+    ag.drop(*ag.forward_end)  # the model output (logits, KV cache) is dropped once `.loss` is read
     tape.free(mask)
     # ---- backward --------------------------------------------------------------------------------------
     ag.seed_grad(loss, FP32, "grad:loss")

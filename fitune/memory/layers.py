@@ -101,7 +101,7 @@ def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Te
     ag.drop(b)
     summed = ag.new(max(FP32, w) * n_out * T, True, f"{lin.name}:sum")
     ag.record(summed, [base, scaled], [], [w * n_out * T, 0])
-    ag.drop(base, scaled)
+    ag.drop(scaled, base)  # `result = result + ...` rebinds: the scaled term goes first, then the old result
     if w != FP32:
         out = ag.new(w * n_out * T, True, f"{lin.name}:out")
         ag.record(out, [summed], [], [FP32 * n_out * T])
@@ -245,8 +245,8 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     # bmm's backward writes the gradient of its second operand first (measured traces)
     ag.record(out, [v_rep, p], [p, v_rep], [v_rep.nbytes, p.nbytes], label="pv")
     ag.drop(p)
-    if gqa:
-        ag.drop(k_rep, v_rep)
+    if gqa:  # `key_states` / `value_states` live until the attention module returns
+        ag.defer_until_return(k_rep, v_rep)
     # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout; in backward, bmm needs the
     # transposed gradient contiguous again: a copy of the same size
     out2 = ag.new(out.nbytes, True, "attn:contiguous")
@@ -299,10 +299,14 @@ def attention_block(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool) -> 
         ag.record_passthrough(vc, [v])
         ag.drop(k, v)
         k, v = kc, vc
+        ag.defer_until_forward_end(kc, vc)  # the DynamicCache holds them until the model output is dropped
     out = attention_core(ag, c, q, k, v, sliding)
-    ag.drop(q, k, v)
+    ag.drop(q)
+    if not c.use_cache:
+        ag.drop(k, v)
     y = linear(ag, c, out, lins["o_proj"])
     ag.drop(out)
+    ag.drop_returned()
     return y
 
 
