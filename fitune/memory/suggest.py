@@ -43,7 +43,7 @@ def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
 
 
 def suggest_changes(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec, base: MemoryEstimate | None = None,
-                    limit: int = 4) -> list[Suggestion]:
+                    limit: int = 3) -> list[Suggestion]:
     """One-change alternatives that fit `gpu`, cheapest first (those needing allocator retries say so); then the
     smallest catalog GPU whose budget holds the reserved peak as is."""
     out: list[Suggestion] = []

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 
 from ..errors import UnknownGpuError
 from ..units import GiB, MiB, is_decimal_unit, parse_memory_bytes
@@ -77,8 +77,11 @@ def cublas_workspace_bytes(compute_capability: str) -> int:
 
 @lru_cache(maxsize=1)
 def gpu_catalog() -> dict[str, dict]:
-    f = resources.files("fitune.specs") / "data" / "gpus.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpus.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def catalog_gpu_names() -> list[str]:

@@ -11,7 +11,6 @@ import json
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 
 from ..errors import UnknownModelError, UnsupportedArchitectureError
 
@@ -231,11 +230,12 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
 @lru_cache(maxsize=1)
 def model_catalog() -> dict[str, dict]:
     """name -> {"hf_id", "source", "config", ...} from fitune/specs/data/models.json (plain data, with sources)."""
-    data_dir = resources.files("fitune.specs") / "data"
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
     for fname in ("models.json", "models_seed.json"):
-        f = data_dir / fname
-        if f.is_file():
-            return json.loads(f.read_text())
+        path = os.path.join(data_dir, fname)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
     return {}
 
 
