@@ -75,10 +75,6 @@ class CachingAllocatorModel:
         self._live: dict[int, _Block] = {}
         self._next_offset = 1 << 60
 
-    def reset_peaks(self) -> None:
-        self.peak_reserved = self.reserved
-        self.peak_allocated = self.allocated
-
     def malloc(self, key: int, nbytes: int) -> None:
         size = nbytes if nbytes % MIN_BLOCK == 0 and nbytes else (nbytes // MIN_BLOCK + 1) * MIN_BLOCK
         small = size <= SMALL_SIZE

@@ -187,6 +187,3 @@ class Autograd:
                 self.drop_grad(g_out)
                 self.release_saved(node.saved)
 
-
-def saved_category() -> str:
-    return ACTIVATIONS

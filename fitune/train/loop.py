@@ -52,7 +52,6 @@ class TrainResult:
     adapter_dir: str | None
     merged_dir: str | None
     plan: Plan
-    interrupted: bool = False
     model: object = None
     """The trained model (in memory), for callers that go on using it."""
 
@@ -125,7 +124,6 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     bar = _progress_bar(total_steps, step, progress)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
-    interrupted = False
     stream_before_step = stream.state_dict()
     stop = _GracefulStop()
     try:
@@ -162,7 +160,6 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             if stop.requested:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
-        interrupted = True
         stream.load_state_dict(stream_before_step)  # the unfinished step's batches are not consumed
         path = _save(cfg, step, model, optimizer, scheduler, stream, plan) if step else None
         bar.close()
@@ -175,7 +172,7 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     bar.close()
     metrics.close()
     adapter_dir, merged_dir = _write_outputs(cfg, model, tokenizer)
-    return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, interrupted, model)
+    return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, model=model)
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------
