@@ -58,3 +58,17 @@ def timed_steps(run_step, steps: int, tokens_per_step: int, device: str) -> dict
     if cuda:
         torch.cuda.empty_cache()
     return rec
+
+
+def training_step(model, opt, ids, chunked_loss: bool) -> float:
+    """One recipe step on `ids` (labels = inputs): transformers' loss, or fitune's chunked loss."""
+    if chunked_loss:
+        from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
+
+        loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
+    else:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import cap_allocator, timed_steps  # noqa: E402
+from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
 from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
@@ -52,26 +52,13 @@ def build(args, device):
     return spec, model, opt
 
 
-def step(args, model, opt, ids):
-    if args.stack == "fitune":
-        from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
-
-        loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
-    else:
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
-
-
 def probe(args, spec, model, opt, seq: int, device: str) -> dict:
     import torch
 
     rec = {"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
            "lora_targets": args.lora_targets, "seq_len_tokens": seq, "cap": args.cap}
     ids = torch.randint(0, spec.vocab_size, (1, seq), device=device)
-    rec.update(timed_steps(lambda: step(args, model, opt, ids), args.steps, seq, device))
+    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps, seq, device))
     opt.zero_grad(set_to_none=True)  # an OOM can leave partial gradients
     return rec
 

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import cap_allocator, timed_steps  # noqa: E402
+from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
 from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
@@ -55,18 +55,7 @@ def measure(args, spec, base, variant: dict, device: str) -> dict:
     rec = {"stack": args.stack, "model": args.model, "cap": args.cap, "batch_size": args.batch_size,
            "seq_len_tokens": args.seq_len, **variant}
 
-    def run_step():
-        if variant.get("loss") == "chunked":
-            from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
-
-            loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
-        else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    rec.update(timed_steps(run_step, args.steps, args.batch_size * args.seq_len, device))
+    rec.update(timed_steps(lambda: training_step(model, opt, ids, variant.get("loss") == "chunked"), args.steps, args.batch_size * args.seq_len, device))
     if ckpt != "none":
         hf_recipe.disable_checkpointing(model)
     model.unload()  # back to the plain base model for the next variant

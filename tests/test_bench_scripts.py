@@ -18,6 +18,14 @@ def _load(name):
     return mod
 
 
+def _tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 300, "max_position_embeddings": 4096}))
+    return path
+
+
 @pytest.mark.parametrize("threshold", [1000, 4096, 5000, 70000, 300000])
 def test_max_context_search_finds_the_threshold(threshold):
     search = _load("max_context").search
@@ -38,10 +46,7 @@ def test_max_context_search_finds_the_threshold(threshold):
 def test_max_context_runs_on_a_tiny_model(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("peft")
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                               "vocab_size": 300, "max_position_embeddings": 4096}))
+    cfg = _tiny_config(tmp_path)
     out = tmp_path / "probe.jsonl"
     for stack in ("hf", "fitune"):
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "max_context.py"), "--stack", stack, "--model",
@@ -57,10 +62,7 @@ def test_max_context_runs_on_a_tiny_model(tmp_path):
 def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("peft")
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                               "vocab_size": 300, "max_position_embeddings": 4096}))
+    cfg = _tiny_config(tmp_path)
     out = tmp_path / "tps.jsonl"
     for stack in ("hf", "fitune"):
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "throughput.py"), "--stack", stack, "--model",
