@@ -89,3 +89,30 @@ def test_fitune_stack_estimate_matches_fitune_train_on_the_gpu(name, lines):
     assert abs(est.peak_allocated_bytes - allocated) <= 0.03 * allocated
     if est.peak_reserved_bytes <= 23.4 * 2**30:  # above the cap the allocator flushes its cache instead
         assert abs(est.peak_reserved_bytes - reserved) <= 0.05 * reserved
+
+
+def test_the_plans_top_pick_ran_as_predicted():
+    """Issue 6's GPU record: `fitune plan`'s first plan for the seeds' case, run by `fitune train` on the H200 under
+    a 23.4 GiB cap (bench/results/train/train_plan.jsonl), fits, peaks within the estimator's error, and runs within
+    15 % of the throughput model's prediction for the GPU it ran on."""
+    import json
+    import statistics
+
+    import yaml
+
+    from fitune.memory import estimate
+    from fitune.plan import throughput
+    from fitune.setup import setup_from_config
+    from fitune.specs.gpu import resolve_gpu
+    from fitune.specs.model import load_model_spec
+
+    folder = os.path.join(ROOT, "bench", "results", "train")
+    _, setup = setup_from_config(yaml.safe_load(open(os.path.join(folder, "plan.yaml"))))
+    lines = [json.loads(x) for x in open(os.path.join(folder, "train_plan.jsonl"))]
+    model, h200 = load_model_spec("llama-3.1-8b"), resolve_gpu("h200")
+    measured_peak = max(x["peak_allocated_bytes"] for x in lines)
+    assert measured_peak <= resolve_gpu("rtx4090").allocator_budget_bytes
+    assert abs(estimate(model, setup, h200).peak_allocated_bytes - measured_peak) <= 0.03 * measured_peak
+    measured_tps = statistics.median(x["tokens_per_s"] for x in lines[1:])
+    predicted = throughput.predict(model, setup, h200).tokens_per_s
+    assert abs(measured_tps - predicted) <= 0.15 * predicted, (measured_tps, predicted)
