@@ -1,17 +1,20 @@
 """Issue 5: the longest sequence (batch 1) each stack trains under a card's allocator budget. Run on the GPU machine.
 
-For one stack per process (liger patches transformers' classes globally): build the model once, then probe
-sequence lengths - doubling from --start until a step runs out of memory, then bisecting to --resolution tokens.
-A probe runs --steps training steps at batch 1; it fits when every step completes under the cap. One JSON line
-per probe, appended to --out as it ends.
+For one stack per process (liger patches transformers' classes globally): build the model once, run one short
+step (--warmup-tokens) so the optimizer's states exist as in any later step, then probe sequence lengths:
+either the list --seqs, or a search doubling from --start until a step runs out of memory, then bisecting to
+--resolution tokens. A probe runs --steps training steps; it fits when every step completes under the cap. One
+JSON line per probe (with fitune's estimate of the same configuration), appended to --out as it ends.
 
 Stacks:
   hf        the HF recipe with checkpointing (transformers' loss)            fitune/profile/hf_recipe.py
   hf_liger  the same with Liger's kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE)
-  fitune    fitune's runner: offloaded checkpoints + chunked loss + tiled MLP
+  fitune    fitune's runner, prepared by fitune.train.model.prepare_for_setup: offloaded checkpoints, chunked
+            loss, tiled MLP, lean LoRA, lean RMSNorm, expandable segments (--no-expandable to compare)
 
     PYTHONPATH=. python3 bench/max_context.py --stack fitune --method qlora --lora-rank 32 --lora-targets all-linear \\
         --cap rtx4090 --out $OUT/max_context.jsonl
+    PYTHONPATH=. python3 bench/max_context.py --stack fitune --method lora --seqs 49152,65536 ... (fixed lengths)
 """
 
 from __future__ import annotations
@@ -28,6 +31,23 @@ from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
 
+def fitune_setup(args, seq: int):
+    """The TrainSetup fitune's runner uses for a long-context probe (what `fitune estimate --stack fitune` takes)."""
+    from fitune.setup import TrainSetup, parse_targets
+
+    return TrainSetup(method=args.method, lora_rank=args.lora_rank, lora_targets=parse_targets(args.lora_targets),
+                      batch_size=args.batch_size, seq_len_tokens=seq, grad_checkpointing="offload", loss="chunked",
+                      tiled_mlp=True, lean_lora=True, lean_norm=True, expandable_segments=not args.no_expandable,
+                      stack="fitune")
+
+
+def hf_setup(args, seq: int):
+    from fitune.setup import TrainSetup, parse_targets
+
+    return TrainSetup(method=args.method, lora_rank=args.lora_rank, lora_targets=parse_targets(args.lora_targets),
+                      batch_size=args.batch_size, seq_len_tokens=seq, grad_checkpointing="full", stack="hf")
+
+
 def build(args, device):
     import torch
 
@@ -39,28 +59,48 @@ def build(args, device):
     model = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=device)
     if args.method == "qlora":
         hf_recipe.quantize_decoder_to_nf4(model)
-    targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    model = hf_recipe.wrap_lora(model, args.lora_rank, targets)
-    hf_recipe.enable_checkpointing(model)
     if args.stack == "fitune":
-        from fitune.train.techniques.offload import enable_offloaded_checkpointing
-        from fitune.train.techniques.tiled_mlp import enable_tiled_mlp
+        from fitune.train.model import prepare_for_setup
 
-        enable_tiled_mlp(model)
-        enable_offloaded_checkpointing(model)
+        model = prepare_for_setup(model, fitune_setup(args, args.start))
+    else:
+        targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        model = hf_recipe.wrap_lora(model, args.lora_rank, targets)
+        hf_recipe.enable_checkpointing(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     return spec, model, opt
+
+
+def estimated(args, spec, seq: int) -> dict:
+    """fitune's estimate of the probe (the hf_liger stack is not modelled: none)."""
+    if args.stack == "hf_liger":
+        return {}
+    from fitune.memory import estimate
+
+    est = estimate(spec, fitune_setup(args, seq) if args.stack == "fitune" else hf_setup(args, seq))
+    return {"est_peak_allocated_bytes": est.peak_allocated_bytes, "est_peak_reserved_bytes": est.peak_reserved_bytes,
+            "est_host_bytes": est.host_bytes}
 
 
 def probe(args, spec, model, opt, seq: int, device: str) -> dict:
     import torch
 
     rec = {"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
-           "lora_targets": args.lora_targets, "seq_len_tokens": seq, "cap": args.cap}
-    ids = torch.randint(0, spec.vocab_size, (1, seq), device=device)
-    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps, seq, device))
+           "lora_targets": args.lora_targets, "batch_size": args.batch_size, "seq_len_tokens": seq, "cap": args.cap,
+           "expandable_segments": args.stack == "fitune" and not args.no_expandable}
+    ids = torch.randint(0, spec.vocab_size, (args.batch_size, seq), device=device)
+    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps,
+                           args.batch_size * seq, device))
+    rec.update(estimated(args, spec, seq))
+    rec["host_rss_peak_bytes"] = _peak_rss_bytes()
     opt.zero_grad(set_to_none=True)  # an OOM can leave partial gradients
     return rec
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def search(fits, start: int, resolution: int, limit: int) -> int:
@@ -95,24 +135,42 @@ def main() -> int:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-targets", default="q_proj,v_proj")
     p.add_argument("--cap", default="rtx4090")
+    p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--start", type=int, default=4096)
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--limit", type=int, default=262144)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seqs", default="", help="probe these lengths (comma-separated) instead of searching")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--warmup-tokens", type=int, default=256, help="one short step first: the optimizer's states")
+    p.add_argument("--no-expandable", action="store_true", help="fitune stack without expandable segments")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.stack == "fitune" and not args.no_expandable:
+        from fitune.train.model import use_expandable_segments
+
+        use_expandable_segments(True)  # before CUDA allocates anything
     cap_allocator(args.cap, args.device)
     spec, model, opt = build(args, args.device)
+    if args.warmup_tokens:
+        import torch
+
+        ids = torch.randint(0, spec.vocab_size, (1, args.warmup_tokens), device=args.device)
+        training_step(model, opt, ids, args.stack == "fitune")
 
     def fits(seq: int) -> bool:
         rec = probe(args, spec, model, opt, seq, args.device)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec.get(k) for k in ("stack", "method", "seq_len_tokens", "fits", "tokens_per_s")}),
-              flush=True)
+        print(json.dumps({k: rec.get(k) for k in ("stack", "method", "seq_len_tokens", "fits", "tokens_per_s",
+                                                  "peak_allocated_bytes", "peak_reserved_bytes",
+                                                  "est_peak_allocated_bytes")}), flush=True)
         return rec["fits"]
 
+    if args.seqs:
+        for seq in (int(x) for x in args.seqs.split(",") if x):
+            fits(seq)
+        return 0
     best = search(fits, args.start, args.resolution, args.limit)
     with open(args.out, "a") as f:
         f.write(json.dumps({"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,

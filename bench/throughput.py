@@ -7,7 +7,9 @@ One stack per process (liger patches transformers' classes globally); each varia
 Variants:
   hf        checkpointing none | full                         (the HF recipe)
   hf_liger  checkpointing none | full, with Liger's kernels
-  fitune    chunked loss with checkpointing none | selective:K (K in --selective) | full, optionally the tiled MLP
+  fitune    fitune's runner (prepare_for_setup): chunked loss, lean LoRA, lean RMSNorm, expandable segments, with
+            checkpointing selective:K (K in --selective) | full. --liger: Liger's RMSNorm, SwiGLU and RoPE kernels
+            in place of the lean RMSNorm (the rest the same).
 
     PYTHONPATH=. python3 bench/throughput.py --stack fitune --out $OUT/throughput.jsonl
 """
@@ -29,33 +31,42 @@ from fitune.specs.model import load_model_spec  # noqa: E402
 def variants(stack: str, selective: list[int]) -> list[dict]:
     if stack in ("hf", "hf_liger"):
         return [{"grad_checkpointing": "none"}, {"grad_checkpointing": "full"}]
-    out = [{"grad_checkpointing": "none", "loss": "chunked"}]
-    out += [{"grad_checkpointing": f"selective:{k}", "loss": "chunked"} for k in selective]
-    out += [{"grad_checkpointing": "full", "loss": "chunked"}, {"grad_checkpointing": "full", "loss": "chunked",
-                                                                "tiled_mlp": True}]
-    return out
+    return [{"grad_checkpointing": f"selective:{k}"} for k in selective] + [{"grad_checkpointing": "full"}]
+
+
+def fitune_setup(args, grad_checkpointing: str, liger: bool):
+    from fitune.setup import TrainSetup
+
+    return TrainSetup(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), batch_size=args.batch_size,
+                      seq_len_tokens=args.seq_len, grad_checkpointing=grad_checkpointing, loss="chunked",
+                      lean_lora=True, lean_norm=not liger, expandable_segments=True, stack="fitune")
 
 
 def measure(args, spec, base, variant: dict, device: str) -> dict:
     import torch
 
-    from fitune.train.techniques.offload import enable_selective_checkpointing
-    from fitune.train.techniques.tiled_mlp import enable_tiled_mlp
+    from fitune.memory import estimate
+    from fitune.train.model import prepare_for_setup
 
-    model = hf_recipe.wrap_lora(base, 8, ["q_proj", "v_proj"])
     ckpt = variant["grad_checkpointing"]
-    if ckpt != "none":
-        hf_recipe.enable_checkpointing(model)
-        if ckpt.startswith("selective:"):
-            enable_selective_checkpointing(model, int(ckpt.split(":")[1]))
-    if variant.get("tiled_mlp"):
-        enable_tiled_mlp(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
     rec = {"stack": args.stack, "model": args.model, "cap": args.cap, "batch_size": args.batch_size,
            "seq_len_tokens": args.seq_len, **variant}
-
-    rec.update(timed_steps(lambda: training_step(model, opt, ids, variant.get("loss") == "chunked"), args.steps, args.batch_size * args.seq_len, device))
+    if args.stack == "fitune":
+        setup = fitune_setup(args, ckpt, args.liger)
+        model = prepare_for_setup(base, setup)
+        est = estimate(spec, fitune_setup(args, ckpt, False))  # Liger's RMSNorm saves what the lean one saves
+        rec.update({"kernels": "liger" if args.liger else "torch", "loss": "chunked", "lean_lora": True,
+                    "lean_norm": not args.liger, "expandable_segments": True,
+                    "est_peak_allocated_bytes": est.peak_allocated_bytes,
+                    "est_peak_reserved_bytes": est.peak_reserved_bytes})
+    else:
+        model = hf_recipe.wrap_lora(base, 8, ["q_proj", "v_proj"])
+        if ckpt != "none":
+            hf_recipe.enable_checkpointing(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
+    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps,
+                           args.batch_size * args.seq_len, device))
     if ckpt != "none":
         hf_recipe.disable_checkpointing(model)
     model.unload()  # back to the plain base model for the next variant
@@ -70,15 +81,25 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--selective", default="8,16,24", help="K values for selective checkpointing (fitune stack)")
+    p.add_argument("--selective", default="20,22,24", help="K values for selective checkpointing (fitune stack)")
+    p.add_argument("--liger", action="store_true", help="fitune stack: Liger's RMSNorm, SwiGLU and RoPE kernels")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.stack == "fitune":
+        from fitune.train.model import use_expandable_segments
+
+        use_expandable_segments(True)  # before CUDA allocates anything
     cap_allocator(args.cap, args.device)
     if args.stack == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
+    elif args.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
     spec = load_model_spec(args.model)
     base = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=args.device)
     selective = [int(k) for k in args.selective.split(",") if k]
@@ -86,8 +107,9 @@ def main() -> int:
         rec = measure(args, spec, base, variant, args.device)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec.get(k) for k in ("stack", "grad_checkpointing", "loss", "tiled_mlp", "fits",
-                                                  "tokens_per_s")}), flush=True)
+        print(json.dumps({k: rec.get(k) for k in ("stack", "kernels", "grad_checkpointing", "fits", "tokens_per_s",
+                                                  "peak_allocated_bytes", "peak_reserved_bytes",
+                                                  "est_peak_allocated_bytes")}), flush=True)
     return 0
 
 

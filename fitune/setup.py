@@ -54,6 +54,13 @@ class TrainSetup:
     """hf (full logits upcast to fp32, as transformers does) | chunked (logits never materialised whole)."""
     tiled_mlp: bool = False
     """fitune's runner: run each MLP a tile of tokens at a time (its intermediates never exist for the whole sequence)."""
+    lean_lora: bool = False
+    """fitune's runner: the LoRA branch in the activations' dtype, saving no fp32 copy of each adapter's input."""
+    lean_norm: bool = False
+    """fitune's runner: RMSNorm a tile of tokens at a time in fp32, saving only its bf16 input."""
+    expandable_segments: bool = False
+    """fitune's runner: PyTorch's allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF), so freed
+    blocks are not stranded between live ones."""
     stack: str = "hf"
     """hf (a plain transformers + PEFT script, the recipe in fitune/profile/hf_recipe.py) | fitune (fitune's runner)."""
 
@@ -125,8 +132,12 @@ class TrainSetup:
         if self.loss == "chunked" and self.stack == "hf":
             problems.append("--loss chunked is a technique of fitune's runner; a plain transformers script computes "
                             "full logits: use --stack fitune with it (or --loss hf)")
-        if self.tiled_mlp and self.stack == "hf":
-            problems.append("--tiled-mlp is a technique of fitune's runner: use --stack fitune with it")
+        for flag, on in (("--tiled-mlp", self.tiled_mlp), ("--lean-lora", self.lean_lora),
+                         ("--lean-norm", self.lean_norm), ("--expandable-segments", self.expandable_segments)):
+            if on and self.stack == "hf":
+                problems.append(f"{flag} is a technique of fitune's runner: use --stack fitune with it")
+        if self.lean_lora and self.method not in ("lora", "qlora"):
+            problems.append(f"--lean-lora applies to LoRA adapters; --method {self.method} has none")
         if self.method == "qlora" and self.dtype == "fp32":
             problems.append("--method qlora computes in bf16/fp16; --dtype fp32 does not apply (use --dtype bf16)")
         if problems:
@@ -151,6 +162,7 @@ _YAML_FIELDS = {
     "method": "method", "dtype": "dtype", "grad_checkpointing": "grad_checkpointing", "attn": "attn",
     "optimizer": "optimizer", "batch_size": "batch_size", "seq_len": "seq_len_tokens", "grad_accum": "grad_accum",
     "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers", "tiled_mlp": "tiled_mlp",
+    "lean_lora": "lean_lora", "lean_norm": "lean_norm", "expandable_segments": "expandable_segments",
 }
 
 

@@ -57,6 +57,20 @@ def test_max_context_runs_on_a_tiny_model(tmp_path):
     finals = [x for x in lines if "max_seq_len_tokens" in x]
     assert [x["max_seq_len_tokens"] for x in finals] == [256, 256]  # no cap on the CPU: everything fits
     assert all(x["fits"] for x in lines if "fits" in x)
+    probes = [x for x in lines if "fits" in x]
+    assert all(x["est_peak_allocated_bytes"] > 0 and x["host_rss_peak_bytes"] > 0 for x in probes)
+
+
+def test_max_context_probes_fixed_lengths(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    cfg = _tiny_config(tmp_path)
+    out = tmp_path / "fixed.jsonl"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "max_context.py"), "--stack", "fitune", "--model",
+                    str(cfg), "--device", "cpu", "--cap", "", "--seqs", "96,160", "--batch-size", "2", "--lora-targets",
+                    "all-linear", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["seq_len_tokens"], x["batch_size"], x["fits"]) for x in lines] == [(96, 2, True), (160, 2, True)]
 
 
 def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
@@ -70,6 +84,7 @@ def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
                         "--selective", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["stack"], x["grad_checkpointing"]) for x in lines] == [
-        ("hf", "none"), ("hf", "full"), ("fitune", "none"), ("fitune", "selective:1"), ("fitune", "full"),
-        ("fitune", "full")]
+        ("hf", "none"), ("hf", "full"), ("fitune", "selective:1"), ("fitune", "full")]
     assert all(x["fits"] and x["tokens_per_s"] > 0 for x in lines)
+    fitune = [x for x in lines if x["stack"] == "fitune"]
+    assert all(x["lean_lora"] and x["lean_norm"] and x["est_peak_allocated_bytes"] > 0 for x in fitune)

@@ -64,6 +64,12 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default=d.loss, help=f"hf (full fp32 logits, as transformers) | chunked (default {d.loss})")
     p.add_argument("--tiled-mlp", action="store_true", help="fitune's runner: run each MLP a tile of tokens at a "
                    "time (needs --stack fitune)")
+    p.add_argument("--lean-lora", action="store_true", help="fitune's runner: LoRA branch in bf16, no fp32 copy of "
+                   "each adapter's input (needs --stack fitune)")
+    p.add_argument("--lean-norm", action="store_true", help="fitune's runner: RMSNorm in tiles, saving only its bf16 "
+                   "input (needs --stack fitune)")
+    p.add_argument("--expandable-segments", action="store_true", help="fitune's runner: PyTorch's allocator with "
+                   "expandable segments (little fragmentation; needs --stack fitune)")
     p.add_argument("--stack", default=d.stack, help="hf (a plain transformers + PEFT script) | fitune (fitune's "
                    f"runner) (default {d.stack})")
 
@@ -73,7 +79,8 @@ def setup_from_args(args) -> TrainSetup:
         method=args.method, lora_rank=args.lora_rank, lora_targets=parse_targets(args.lora_targets),
         dtype=args.dtype, grad_checkpointing=args.grad_checkpointing, attn=args.attn, optimizer=args.optimizer,
         batch_size=args.batch_size, seq_len_tokens=args.seq_len, loss=args.loss, stack=args.stack,
-        tiled_mlp=args.tiled_mlp,
+        tiled_mlp=args.tiled_mlp, lean_lora=args.lean_lora, lean_norm=args.lean_norm,
+        expandable_segments=args.expandable_segments,
     )
 
 

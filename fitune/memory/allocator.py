@@ -159,3 +159,37 @@ def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 
                 release(offset + tid)
         # tensors still live at the end of the step (none, once the step frees what it made) carry over
     return model.peak_reserved, model.peak_allocated
+
+
+def expandable_reserved_bytes(resident: list[int], step_events: list[Event]) -> int:
+    """The memory a step needs with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
+
+    With expandable segments each pool is one virtual range that maps physical pages (2 MiB) as it grows, and
+    when an allocation fails the allocator unmaps the free pages of its cache and retries
+    (CUDACachingAllocator.cpp, `ExpandableSegment`; `release_cached_blocks`). So free blocks cannot strand
+    memory that a larger request needs: what must fit under the budget is the peak of the live blocks, rounded
+    to whole pages per pool, small and large. (Uncapped, the allocator still caches freed pages, so the measured
+    `max_memory_reserved` can be higher; capped, it stays under the budget while this figure does.)
+    """
+    small = large = peak = 0
+    sizes: dict[int, int] = {}
+    for i, nbytes in enumerate(resident):
+        block = round_size(nbytes)
+        sizes[-1 - i] = block
+        large += block if block > SMALL_SIZE else 0
+        small += block if block <= SMALL_SIZE else 0
+    for ev in step_events:
+        if ev.retag:
+            continue
+        if ev.nbytes > 0:
+            block = round_size(ev.nbytes)
+            sizes[ev.tid] = block
+        else:
+            block = -sizes.pop(ev.tid, 0)
+        if abs(block) <= SMALL_SIZE:
+            small += block
+        else:
+            large += block
+        pages = -(-large // ROUND_LARGE) * ROUND_LARGE + -(-small // SMALL_BUFFER) * SMALL_BUFFER
+        peak = max(peak, pages)
+    return peak

@@ -18,12 +18,14 @@ from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
 from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
 from ..units import GiB
-from .allocator import replay_reserved
+from .allocator import expandable_reserved_bytes, replay_reserved
 from .autograd import Autograd, Tensor
 from .layers import FP32, LayerContext, decoder_layer
 
 #: Tokens per tile of fitune's tiled MLP (fitune.train.techniques.tiled_mlp.TILE_TOKENS).
 TILE_TOKENS = 4096
+#: Rows per tile of fitune's lean RMSNorm (fitune.train.techniques.lean_norm.TILE_TOKENS).
+LEAN_NORM_ROWS = 8192
 from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, LOGITS, OPTIMIZER,
                    OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Tape, replay)
 
@@ -145,6 +147,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         qlora=setup.method == "qlora", trainable_base=setup.method == "full", attn=setup.attn,
         use_cache=mode == "none" and setup.stack == "hf",
         tiled_mlp_tokens=TILE_TOKENS if setup.tiled_mlp else 0,
+        lean_lora=setup.lean_lora, lean_norm_rows=LEAN_NORM_ROWS if setup.lean_norm else 0,
     )
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
@@ -194,7 +197,10 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     phases = replay(tape.events, resident)
     peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
     peak_alloc = phases[peak_phase].peak_bytes
-    reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events, steps=allocator_steps)
+    if setup.expandable_segments:
+        reserved = expandable_reserved_bytes(_resident_blocks(model, setup, resident), tape.events)
+    else:
+        reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events, steps=allocator_steps)
     reserved = max(reserved, peak_alloc)
     breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in CATEGORIES}
     breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc

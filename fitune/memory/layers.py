@@ -30,6 +30,8 @@ class LayerContext:
     attn: str  # sdpa | flash | eager
     use_cache: bool  # transformers builds a DynamicCache (no checkpointing): k, v are copied into it
     tiled_mlp_tokens: int = 0  # fitune's tiled MLP: tokens per tile (0: off)
+    lean_lora: bool = False  # fitune's lean LoRA branch (fitune/train/techniques/lean_lora.py)
+    lean_norm_rows: int = 0  # fitune's lean RMSNorm: rows per tile (0: off; fitune/train/techniques/lean_norm.py)
 
     @property
     def tokens(self) -> int:
@@ -110,8 +112,29 @@ def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Te
     return summed
 
 
+def lean_lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
+    """fitune's lean LoRA (fitune/train/techniques/lean_lora.py): `base_layer(x) + branch(x)` in the activations'
+    dtype. The branch saves x (held anyway) and x A^T (r values per token); its output is scaled in place; its
+    backward makes the r-wide gradient, then the input's gradient; A and B get fp32 gradients.
+    """
+    T, w, r = c.tokens, c.act_bytes, c.lora_rank
+    n_in, n_out = lin.in_features, lin.out_features
+    base = frozen_or_trainable_linear(ag, c, x, lin)
+    xa = ag.new(w * r * T, True, f"{lin.name}:lora_xa")
+    branch = ag.new(w * n_out * T, True, f"{lin.name}:lora_branch")
+    ag.record(branch, [x], [x, xa], [w * n_in * T], extra_bytes=w * r * T,
+              param_grad_bytes=FP32 * r * (n_in + n_out), label=f"{lin.name}:lora")
+    ag.drop(xa)
+    out = ag.new(w * n_out * T, True, f"{lin.name}:out")
+    ag.record_passthrough(out, [base, branch])
+    ag.drop(base, branch)
+    return out
+
+
 def linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
     if lin.name in c.lora_targets:
+        if c.lean_lora:
+            return lean_lora_linear(ag, c, x, lin)
         return lora_linear(ag, c, x, lin)
     return frozen_or_trainable_linear(ag, c, x, lin)
 
@@ -126,6 +149,8 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     """
     w = c.act_bytes
     rows = x.nbytes // w // width  # one rsqrt per normalised vector (per token, or per head for q/k norms)
+    if c.lean_norm_rows and not gemma:
+        return lean_rms_norm(ag, c, x, width, rows, label)
     x32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:fp32") if w != FP32 else x
     sq = ag.new(FP32 * x.nbytes // w, False, f"{label}:pow")
     ag.drop(sq)
@@ -150,6 +175,25 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
         ag.record(out2, [out], [], [out.nbytes])  # times the frozen weight: the gradient is a new tensor
         ag.drop(out)
         out = out2
+    return out
+
+
+def lean_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, rows: int, label: str) -> Tensor:
+    """fitune's lean RMSNorm (fitune/train/techniques/lean_norm.py): saves the input (held anyway) and one fp32
+    rsqrt per row; forward and backward work `lean_norm_rows` rows at a time in fp32. Forward: the output, then
+    per tile the fp32 copy, its square, the normalised fp32 tile and two bf16 tiles. Backward: the input's
+    gradient, then per tile about five fp32 tiles (n, g, g * w, the mean term, the result before its cast).
+    """
+    w = c.act_bytes
+    tile_rows = min(rows, c.lean_norm_rows)
+    tile32 = FP32 * tile_rows * width
+    rs = ag.new(FP32 * rows, x.requires_grad, f"{label}:rsqrt")
+    out = ag.new(x.nbytes, x.requires_grad, f"{label}:out")
+    tmp = [ag.new(tile32, False, f"{label}:tile-fp32") for _ in range(3)]
+    tmp += [ag.new(w * tile_rows * width, False, f"{label}:tile") for _ in range(2)]
+    ag.drop(*tmp)
+    ag.record(out, [x], [x, rs], [x.nbytes], extra_bytes=(tile32,) * 5, label=label)
+    ag.drop(rs)
     return out
 
 

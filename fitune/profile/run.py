@@ -131,6 +131,9 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
+    from ..train.model import prepare_for_setup, use_expandable_segments
+
+    use_expandable_segments(setup.expandable_segments)  # effective when no CUDA memory was allocated yet
     est = estimate(model_spec, setup, cap or gpu, device=device)
     cuda = device == "cuda"
     cap_bytes = cap.allocator_budget_bytes if cap is not None else None
@@ -140,8 +143,6 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))
     model = build_model(model_spec, source or model_spec.name, setup, device)
-    from ..train.model import prepare_for_setup
-
     model = prepare_for_setup(model, setup)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(setup, trainable)

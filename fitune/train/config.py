@@ -139,7 +139,8 @@ class TrainConfig:
             "method": s.method, "lora": {"rank": s.lora_rank, "alpha": s.lora_alpha, "targets": list(s.lora_targets)},
             "dtype": s.dtype, "grad_checkpointing": s.grad_checkpointing, "attn": s.attn, "optimizer": s.optimizer,
             "batch_size": s.batch_size, "seq_len": s.seq_len_tokens, "grad_accum": s.grad_accum, "loss": s.loss,
-            "stack": s.stack, "tiled_mlp": s.tiled_mlp,
+            "stack": s.stack, "tiled_mlp": s.tiled_mlp, "lean_lora": s.lean_lora, "lean_norm": s.lean_norm,
+            "expandable_segments": s.expandable_segments,
             "data": {k: v for k, v in dataclasses.asdict(self.data).items() if v is not None},
         })
         return {k: v for k, v in d.items() if v is not None}
@@ -148,7 +149,8 @@ class TrainConfig:
 #: YAML keys that are TrainConfig fields (the TrainSetup keys are read by `setup_from_config`).
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"setup", "data"}
 _SETUP_KEYS = {"method", "dtype", "grad_checkpointing", "attn", "optimizer", "batch_size", "seq_len", "grad_accum",
-               "loss", "stack", "freeze_trainable_layers", "lora", "tiled_mlp"}
+               "loss", "stack", "freeze_trainable_layers", "lora", "tiled_mlp",
+               "lean_lora", "lean_norm", "expandable_segments"}
 
 
 def config_from_dict(doc: dict, source: str = "config", overrides: dict | None = None) -> TrainConfig:

@@ -65,8 +65,10 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     import torch
 
     from . import data as data_mod
-    from .model import load_model, load_tokenizer, pick_device, prepare_for_method, set_checkpointing
+    from .model import (load_model, load_tokenizer, pick_device, prepare_for_method, set_checkpointing,
+                        use_expandable_segments)
 
+    use_expandable_segments(cfg.setup.expandable_segments)  # before the first CUDA allocation
     device = pick_device()
     if cfg.cap and device == "cuda":
         from ..specs.gpu import resolve_gpu

@@ -78,7 +78,9 @@ def prepare_for_method(model, cfg: TrainConfig):
 
 def prepare_for_setup(model, s: TrainSetup):
     """The method's trainable parameters (LoRA adapters, the last layers for freeze, everything for full) and the
-    memory techniques of `s`: tiled MLP, checkpointing (full, offloaded, selective). Shared by train and profile."""
+    memory techniques of `s`: lean LoRA, lean RMSNorm, tiled MLP, checkpointing (full, offloaded, selective).
+    Shared by train, profile and the GPU benchmarks. (Expandable segments are set before CUDA starts:
+    `use_expandable_segments`.)"""
     from ..profile import hf_recipe
 
     if s.method in ("lora", "qlora"):
@@ -91,6 +93,14 @@ def prepare_for_setup(model, s: TrainSetup):
         for layer in list(layers)[-s.freeze_trainable_layers:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
+    if s.lean_lora:
+        from .techniques.lean_lora import enable_lean_lora
+
+        enable_lean_lora(model)
+    if s.lean_norm:
+        from .techniques.lean_norm import enable_lean_norm
+
+        enable_lean_norm(model)
     if s.tiled_mlp:
         from .techniques.tiled_mlp import enable_tiled_mlp
 
@@ -104,6 +114,16 @@ def prepare_for_setup(model, s: TrainSetup):
         elif s.checkpointed_layers_mode == "selective":
             enable_selective_checkpointing(model, s.selective_k())
     return model
+
+
+def use_expandable_segments(on: bool) -> None:
+    """Ask PyTorch's CUDA allocator for expandable segments. Must run before the first CUDA allocation; a value the
+    user already put in PYTORCH_CUDA_ALLOC_CONF wins."""
+    import os
+
+    if on and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (current, "expandable_segments:True") if x)
 
 
 def set_checkpointing(model, on: bool) -> None:
