@@ -60,15 +60,21 @@ def timed_steps(run_step, steps: int, tokens_per_step: int, device: str) -> dict
     return rec
 
 
-def training_step(model, opt, ids, chunked_loss: bool) -> float:
-    """One recipe step on `ids` (labels = inputs): transformers' loss, or fitune's chunked loss."""
-    if chunked_loss:
-        from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
+def training_step(model, opt, ids, chunked_loss: bool, micro_batch_size: int | None = None) -> float:
+    """One optimizer step on `ids` (labels = inputs): transformers' loss, or fitune's chunked loss; with
+    `micro_batch_size` below the batch, gradients accumulate over micro-batches of that many rows."""
+    micro = micro_batch_size or ids.shape[0]
+    parts = ids.split(micro)
+    total = 0.0
+    for part in parts:
+        if chunked_loss:
+            from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
 
-        loss = causal_lm_chunked_loss(model, ids, ids, use_cache=False)
-    else:
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
+            loss = causal_lm_chunked_loss(model, part, part, use_cache=False)
+        else:
+            loss = model(input_ids=part, labels=part, use_cache=False).loss
+        (loss / len(parts)).backward()
+        total += float(loss.detach()) / len(parts)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    return total

@@ -93,8 +93,33 @@ def probe(args, spec, model, opt, seq: int, device: str) -> dict:
                            args.batch_size * seq, device))
     rec.update(estimated(args, spec, seq))
     rec["host_rss_peak_bytes"] = _peak_rss_bytes()
+    rec.update(_pinned_host_bytes())
     opt.zero_grad(set_to_none=True)  # an OOM can leave partial gradients
     return rec
+
+
+def write_snapshot(path: str) -> None:
+    import gzip
+
+    import torch
+
+    from bench.hf_recipe import compact_snapshot
+
+    snapshot = torch.cuda.memory._snapshot()
+    with gzip.open(path, "wt") as f:
+        json.dump(compact_snapshot(snapshot), f)
+
+
+def _pinned_host_bytes() -> dict:
+    """Pinned host memory held by PyTorch's host allocator (its blocks, as rounded), where this PyTorch reports it."""
+    try:
+        import torch
+
+        stats = torch.cuda.memory.host_memory_stats()
+        return {"host_pinned_peak_bytes": stats.get("allocated_bytes.peak"),
+                "host_pinned_current_bytes": stats.get("allocated_bytes.current")}
+    except Exception:  # noqa: BLE001 - older PyTorch, or no CUDA
+        return {}
 
 
 def _peak_rss_bytes() -> int:
@@ -143,13 +168,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--warmup-tokens", type=int, default=256, help="one short step first: the optimizer's states")
     p.add_argument("--no-expandable", action="store_true", help="fitune stack without expandable segments")
+    p.add_argument("--snapshot", help="write a compact allocation trace of the probes' steps to this .json.gz "
+                   "(bench/hf_recipe.py's format, for attributing the measured peak)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.stack == "fitune" and not args.no_expandable:
-        from fitune.train.model import use_expandable_segments
+    if args.stack == "fitune":
+        from fitune.train.model import configure_allocator
 
-        use_expandable_segments(True)  # before CUDA allocates anything
+        print("allocator:", configure_allocator(fitune_setup(args, args.start)), flush=True)  # before CUDA starts
     cap_allocator(args.cap, args.device)
     spec, model, opt = build(args, args.device)
     if args.warmup_tokens:
@@ -158,8 +185,15 @@ def main() -> int:
         ids = torch.randint(0, spec.vocab_size, (1, args.warmup_tokens), device=args.device)
         training_step(model, opt, ids, args.stack == "fitune")
 
+    if args.snapshot:
+        import torch
+
+        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=2_000_000)
+
     def fits(seq: int) -> bool:
         rec = probe(args, spec, model, opt, seq, args.device)
+        if args.snapshot:
+            write_snapshot(args.snapshot)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps({k: rec.get(k) for k in ("stack", "method", "seq_len_tokens", "fits", "tokens_per_s",

@@ -1,6 +1,7 @@
 """Issue 5: tokens/s of each stack on the seeds' workload under a card's allocator budget. Run on the GPU machine.
 
-Llama-3.1-8B-shaped, LoRA r8 on q,v, bf16, 2 x 2048 tokens per optimizer step, allocator capped (default rtx4090).
+Llama-3.1-8B-shaped, LoRA r8 on q,v, bf16, 2 x 2048 tokens per optimizer step (micro-batch 2, or 1 with two
+accumulation steps), allocator capped (default rtx4090).
 One stack per process (liger patches transformers' classes globally); each variant of the stack is measured over
 --steps steps (the first is warm-up) and written as a JSON line: fits, tokens/s, peaks, allocator retries.
 
@@ -8,8 +9,8 @@ Variants:
   hf        checkpointing none | full                         (the HF recipe)
   hf_liger  checkpointing none | full, with Liger's kernels
   fitune    fitune's runner (prepare_for_setup): chunked loss, lean LoRA, lean RMSNorm, expandable segments, with
-            checkpointing selective:K (K in --selective) | full. --liger: Liger's RMSNorm, SwiGLU and RoPE kernels
-            in place of the lean RMSNorm (the rest the same).
+            checkpointing selective:K (K in --selective) | full. --liger: kernels: liger (Liger's RMSNorm, SwiGLU
+            and RoPE) in place of the lean RMSNorm, the rest the same.
 
     PYTHONPATH=. python3 bench/throughput.py --stack fitune --out $OUT/throughput.jsonl
 """
@@ -29,17 +30,21 @@ from fitune.specs.model import load_model_spec  # noqa: E402
 
 
 def variants(stack: str, selective: list[int]) -> list[dict]:
+    """Each stack's candidates for the 2 x 2048 step: micro-batch 2, or micro-batch 1 with 2 accumulation steps."""
+    micro1 = {"grad_checkpointing": "none", "micro_batch_size": 1}
     if stack in ("hf", "hf_liger"):
-        return [{"grad_checkpointing": "none"}, {"grad_checkpointing": "full"}]
-    return [{"grad_checkpointing": f"selective:{k}"} for k in selective] + [{"grad_checkpointing": "full"}]
+        return [{"grad_checkpointing": "none"}, {"grad_checkpointing": "full"}, micro1]
+    return [{"grad_checkpointing": f"selective:{k}"} for k in selective] + [{"grad_checkpointing": "full"}, micro1]
 
 
-def fitune_setup(args, grad_checkpointing: str, liger: bool):
+def fitune_setup(args, grad_checkpointing: str, liger: bool, micro: int | None = None):
     from fitune.setup import TrainSetup
 
-    return TrainSetup(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), batch_size=args.batch_size,
-                      seq_len_tokens=args.seq_len, grad_checkpointing=grad_checkpointing, loss="chunked",
-                      lean_lora=True, lean_norm=not liger, expandable_segments=True, stack="fitune")
+    micro = micro or args.batch_size
+    return TrainSetup(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), batch_size=micro,
+                      grad_accum=args.batch_size // micro, seq_len_tokens=args.seq_len, grad_checkpointing=grad_checkpointing, loss="chunked",
+                      lean_lora=True, lean_norm=not liger, kernels="liger" if liger else "torch",
+                      expandable_segments=True, stack="fitune")
 
 
 def measure(args, spec, base, variant: dict, device: str) -> dict:
@@ -52,9 +57,9 @@ def measure(args, spec, base, variant: dict, device: str) -> dict:
     rec = {"stack": args.stack, "model": args.model, "cap": args.cap, "batch_size": args.batch_size,
            "seq_len_tokens": args.seq_len, **variant}
     if args.stack == "fitune":
-        setup = fitune_setup(args, ckpt, args.liger)
+        setup = fitune_setup(args, ckpt, args.liger, variant.get("micro_batch_size"))
         model = prepare_for_setup(base, setup)
-        est = estimate(spec, fitune_setup(args, ckpt, False))  # Liger's RMSNorm saves what the lean one saves
+        est = estimate(spec, setup)
         rec.update({"kernels": "liger" if args.liger else "torch", "loss": "chunked", "lean_lora": True,
                     "lean_norm": not args.liger, "expandable_segments": True,
                     "est_peak_allocated_bytes": est.peak_allocated_bytes,
@@ -65,7 +70,8 @@ def measure(args, spec, base, variant: dict, device: str) -> dict:
             hf_recipe.enable_checkpointing(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
-    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps,
+    micro = variant.get("micro_batch_size")
+    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune", micro), args.steps,
                            args.batch_size * args.seq_len, device))
     if ckpt != "none":
         hf_recipe.disable_checkpointing(model)
@@ -87,19 +93,14 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.stack == "fitune":
-        from fitune.train.model import use_expandable_segments
+        from fitune.train.model import configure_allocator
 
-        use_expandable_segments(True)  # before CUDA allocates anything
+        configure_allocator(fitune_setup(args, "full", args.liger))  # before CUDA starts
     cap_allocator(args.cap, args.device)
     if args.stack == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
-    elif args.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
     spec = load_model_spec(args.model)
     base = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=args.device)
     selective = [int(k) for k in args.selective.split(",") if k]
@@ -107,7 +108,8 @@ def main() -> int:
         rec = measure(args, spec, base, variant, args.device)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        print(json.dumps({k: rec.get(k) for k in ("stack", "kernels", "grad_checkpointing", "fits", "tokens_per_s",
+        print(json.dumps({k: rec.get(k) for k in ("stack", "kernels", "grad_checkpointing", "micro_batch_size",
+                                                  "fits", "tokens_per_s",
                                                   "peak_allocated_bytes", "peak_reserved_bytes",
                                                   "est_peak_allocated_bytes")}), flush=True)
     return 0

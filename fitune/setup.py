@@ -18,6 +18,7 @@ ATTNS = ("sdpa", "flash", "eager")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
 LOSSES = ("hf", "chunked")
 STACKS = ("hf", "fitune")
+KERNELS = ("torch", "liger")
 CHECKPOINTING = ("none", "full", "offload", "selective:K")
 ALL_LINEAR = "all-linear"
 
@@ -58,6 +59,9 @@ class TrainSetup:
     """fitune's runner: the LoRA branch in the activations' dtype, saving no fp32 copy of each adapter's input."""
     lean_norm: bool = False
     """fitune's runner: RMSNorm a tile of tokens at a time in fp32, saving only its bf16 input."""
+    kernels: str = "torch"
+    """fitune's runner: torch (transformers' modules) | liger (Liger Kernel's fused RMSNorm, SwiGLU and RoPE; a
+    CUDA GPU with liger-kernel installed)."""
     expandable_segments: bool = False
     """fitune's runner: PyTorch's allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF), so freed
     blocks are not stranded between live ones."""
@@ -136,6 +140,12 @@ class TrainSetup:
                          ("--lean-norm", self.lean_norm), ("--expandable-segments", self.expandable_segments)):
             if on and self.stack == "hf":
                 problems.append(f"{flag} is a technique of fitune's runner: use --stack fitune with it")
+        one_of("--kernels", self.kernels, KERNELS)
+        if self.kernels == "liger" and self.stack == "hf":
+            problems.append("--kernels liger is a technique of fitune's runner: use --stack fitune with it")
+        if self.kernels == "liger" and self.lean_norm:
+            problems.append("--kernels liger and --lean-norm both replace RMSNorm: keep one (Liger's is faster, "
+                            "the lean one works without a GPU)")
         if self.lean_lora and self.method not in ("lora", "qlora"):
             problems.append(f"--lean-lora applies to LoRA adapters; --method {self.method} has none")
         if self.method == "qlora" and self.dtype == "fp32":
@@ -163,6 +173,7 @@ _YAML_FIELDS = {
     "optimizer": "optimizer", "batch_size": "batch_size", "seq_len": "seq_len_tokens", "grad_accum": "grad_accum",
     "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers", "tiled_mlp": "tiled_mlp",
     "lean_lora": "lean_lora", "lean_norm": "lean_norm", "expandable_segments": "expandable_segments",
+    "kernels": "kernels",
 }
 
 

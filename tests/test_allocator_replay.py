@@ -65,3 +65,18 @@ def test_replaying_a_measured_trace_gives_the_measured_reserved_peak(trace, mode
                 a.release(live.pop(addr))
     measured = _measured(measured_file, model, case)
     assert abs(a.peak_reserved - measured) <= 0.005 * measured, (a.peak_reserved / 2**20, measured / 2**20)
+
+
+def test_expandable_segments_grow_one_range_by_pages():
+    from fitune.memory.allocator import LARGE_BUFFER, MB, ExpandableAllocatorModel
+
+    m = ExpandableAllocatorModel()
+    m.malloc(1, 30 * MB)  # maps 2 pages of 20 MiB; the 10 MiB left is the free tail
+    assert m.reserved == 2 * LARGE_BUFFER
+    m.malloc(2, 25 * MB)  # grows the 10 MiB free tail by one page
+    assert m.reserved == 3 * LARGE_BUFFER
+    m.release(1)  # a 30 MiB hole before a live block: cached, not returned
+    m.malloc(3, 40 * MB)  # does not fit the hole: the range grows at its end
+    assert m.reserved == 5 * LARGE_BUFFER
+    m.malloc(4, 30 * MB)  # fits the hole exactly
+    assert m.reserved == 5 * LARGE_BUFFER and m.peak_allocated == (25 + 40 + 30) * MB

@@ -83,8 +83,9 @@ def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
                         str(cfg), "--device", "cpu", "--cap", "", "--seq-len", "64", "--steps", "2",
                         "--selective", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [(x["stack"], x["grad_checkpointing"]) for x in lines] == [
-        ("hf", "none"), ("hf", "full"), ("fitune", "selective:1"), ("fitune", "full")]
+    assert [(x["stack"], x["grad_checkpointing"], x.get("micro_batch_size")) for x in lines] == [
+        ("hf", "none", None), ("hf", "full", None), ("hf", "none", 1), ("fitune", "selective:1", None),
+        ("fitune", "full", None), ("fitune", "none", 1)]
     assert all(x["fits"] and x["tokens_per_s"] > 0 for x in lines)
     fitune = [x for x in lines if x["stack"] == "fitune"]
     assert all(x["lean_lora"] and x["lean_norm"] and x["est_peak_allocated_bytes"] > 0 for x in fitune)

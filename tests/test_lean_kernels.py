@@ -128,3 +128,40 @@ def test_lean_lora_keeps_peft_forward_when_adapters_are_disabled():
         on = model(input_ids=ids).logits
     torch.testing.assert_close(off, off_ref)  # PEFT's path: the base model alone
     assert not torch.allclose(on, off)  # and the adapters act again once enabled
+
+
+def test_liger_kernels_explain_what_they_need():
+    from fitune.errors import ConfigError
+    from fitune.setup import TrainSetup
+    from fitune.train.techniques.fused_kernels import enable_liger_kernels
+
+    with pytest.raises(ConfigError, match="liger"):
+        enable_liger_kernels(_model(None))  # no liger-kernel here, or no CUDA GPU: both say what to do
+    with pytest.raises(ConfigError, match="both replace RMSNorm"):
+        TrainSetup(stack="fitune", kernels="liger", lean_norm=True).validate()
+    with pytest.raises(ConfigError, match="use --stack fitune"):
+        TrainSetup(kernels="liger").validate()
+    with pytest.raises(ConfigError, match="--kernels 'triton' is not one of"):
+        TrainSetup(stack="fitune", kernels="triton").validate()
+
+
+def test_configure_allocator_sets_what_the_setup_needs(monkeypatch):
+    from fitune.setup import TrainSetup
+    from fitune.train.model import EXACT_PINNED_ABOVE_MB, configure_allocator, exact_pinned_supported
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert configure_allocator(TrainSetup()) == {}
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in __import__("os").environ
+    offload = TrainSetup(stack="fitune", grad_checkpointing="offload", expandable_segments=True)
+    added = configure_allocator(offload)
+    import os
+
+    conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert "expandable_segments:True" in conf
+    assert ("pinned_max_round_threshold_mb" in added) == exact_pinned_supported()
+    if exact_pinned_supported():
+        assert f"pinned_max_round_threshold_mb:{EXACT_PINNED_ABOVE_MB}" in conf
+    # what the user set wins
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False,pinned_max_round_threshold_mb:4096")
+    assert configure_allocator(offload) == {}
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False,pinned_max_round_threshold_mb:4096"

@@ -51,3 +51,29 @@ def test_the_estimator_models_the_runners_tile_and_chunk():
     est = importlib.import_module("fitune.memory.estimate")  # the module, not the function of the same name
     assert est.TILE_TOKENS == tiled_mlp.TILE_TOKENS
     assert loss_terms.CHUNK_TOKENS == chunked_loss.CHUNK_TOKENS
+
+
+def test_tiled_mlp_tiles_without_grad_too():
+    """A checkpointed layer's first forward runs under no_grad: the MLP still works a tile at a time, so no
+    intermediate of the whole sequence exists (the estimator models the same)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model(["q_proj", "v_proj"])
+    mlp = model.get_base_model().model.layers[0].mlp
+    x = torch.randn(1, 60, 64)
+    with torch.no_grad():
+        ref = mlp(x)
+    enable_tiled_mlp(model, tile_tokens=16)
+    largest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape[-1] == 160:  # an intermediate: tokens x 160
+                largest.append(out.numel() // 160)
+            return out
+
+    with torch.no_grad(), Sizes():
+        got = mlp(x)
+    torch.testing.assert_close(got, ref)
+    assert 16 in largest and 60 not in largest  # one tile's tokens at a time, never all 60

@@ -134,12 +134,24 @@ def test_chunked_loss_trains_like_the_plain_loss(workspace):
     assert chunked.losses == pytest.approx(plain.losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["offload", "selective:1", "tiled_mlp"])
+@pytest.mark.parametrize("mode", ["offload", "selective:1", "tiled_mlp", "lean_lora", "lean_norm"])
 def test_memory_techniques_train_like_the_plain_step(workspace, mode):
     plain = train(_cfg(workspace, "ck-plain", max_steps=3, eval_every=None), progress=False)
-    change = {"tiled_mlp": True} if mode == "tiled_mlp" else {"grad_checkpointing": mode}
+    change = {mode: True} if mode in ("tiled_mlp", "lean_lora", "lean_norm") else {"grad_checkpointing": mode}
     other = train(_cfg(workspace, f"ck-{mode}", max_steps=3, eval_every=None, **change), progress=False)
     assert other.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_packed_rows_train_the_same_with_and_without_the_mask(workspace, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fitune")
+    masked = train(_cfg(workspace, "pack-mask", max_steps=3, eval_every=None, packing=True, packing_attention="mask",
+                        seq_len=64, batch_size=2), progress=False)
+    varlen = train(_cfg(workspace, "pack-varlen", max_steps=3, eval_every=None, packing=True, seq_len=64,
+                        batch_size=2), progress=False)
+    assert "examples attended one by one" in caplog.text
+    assert varlen.losses == pytest.approx(masked.losses, rel=1e-5)
 
 
 def test_config_errors_are_listed_together(workspace):

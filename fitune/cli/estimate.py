@@ -68,6 +68,8 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
                    "each adapter's input (needs --stack fitune)")
     p.add_argument("--lean-norm", action="store_true", help="fitune's runner: RMSNorm in tiles, saving only its bf16 "
                    "input (needs --stack fitune)")
+    p.add_argument("--kernels", default=d.kernels, help="fitune's runner: torch | liger (Liger Kernel's RMSNorm, "
+                   f"SwiGLU and RoPE; needs --stack fitune) (default {d.kernels})")
     p.add_argument("--expandable-segments", action="store_true", help="fitune's runner: PyTorch's allocator with "
                    "expandable segments (little fragmentation; needs --stack fitune)")
     p.add_argument("--stack", default=d.stack, help="hf (a plain transformers + PEFT script) | fitune (fitune's "
@@ -80,7 +82,7 @@ def setup_from_args(args) -> TrainSetup:
         dtype=args.dtype, grad_checkpointing=args.grad_checkpointing, attn=args.attn, optimizer=args.optimizer,
         batch_size=args.batch_size, seq_len_tokens=args.seq_len, loss=args.loss, stack=args.stack,
         tiled_mlp=args.tiled_mlp, lean_lora=args.lean_lora, lean_norm=args.lean_norm,
-        expandable_segments=args.expandable_segments,
+        expandable_segments=args.expandable_segments, kernels=args.kernels,
     )
 
 

@@ -61,6 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha})")
     p.add_argument("--lora-targets", default=",".join(d.lora_targets),
                    help="modules LoRA wraps, comma-separated, or all-linear; kept as given (default q_proj,v_proj)")
+    p.add_argument("--kernels", default="torch", choices=("torch", "liger"),
+                   help="liger: you have liger-kernel installed (a CUDA GPU): plans use its fused RMSNorm, SwiGLU "
+                   "and RoPE, which save memory and ran faster on the seeds' workload (default torch)")
     p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
     p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config")
@@ -95,7 +98,7 @@ def run(args) -> int:
     req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
                       methods=methods, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       lora_targets=parse_targets(args.lora_targets), attns=available_attns(),
-                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram,
+                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=args.kernels,
                       data=data, top=args.top)
     result = plan(req)
     elapsed = time.perf_counter() - t0

@@ -3,7 +3,7 @@
 `max_memory_allocated` counts live tensors; `max_memory_reserved` counts the segments the allocator obtained
 from cudaMalloc and keeps cached. The difference is fragmentation: a freed 1 GiB block cannot serve a 2 GiB
 request, so a new segment is reserved next to it. The rules below follow c10/cuda/CUDACachingAllocator.cpp
-(PyTorch 2.x, default settings, no expandable segments):
+(PyTorch 2.x, default settings; `ExpandableAllocatorModel` below for expandable segments):
 
 - sizes are rounded up to a multiple of 512 bytes (`kMinBlockSize`);
 - requests of at most 1 MiB come from the small pool, whose segments are 2 MiB (`kSmallBuffer`);
@@ -82,15 +82,8 @@ class CachingAllocatorModel:
         i = bisect.bisect_left(pool, (size, -1))
         if i < len(pool):
             block = self._by_offset.pop(pool.pop(i)[1])
-        else:  # cudaMalloc a new segment
-            seg_bytes = segment_size(size)
-            # the driver hands out lower addresses for later segments (seen in every measured trace), and ties
-            # between equal free blocks go to the lowest address: a newer segment wins
-            self._next_offset -= seg_bytes + ROUND_LARGE  # segments are never adjacent
-            block = _Block(self._next_offset, seg_bytes, True, small)
-            self.reserved += seg_bytes
-            if self.reserved > self.peak_reserved:
-                self.peak_reserved = self.reserved
+        else:
+            block = self._new_block(size, small)
         remaining = block.size - size
         if remaining > (MIN_BLOCK if small else SMALL_SIZE):
             rest = _Block(block.offset + size, remaining, True, small, block, block.next)
@@ -105,6 +98,20 @@ class CachingAllocatorModel:
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+
+    def _new_block(self, size: int, small: bool) -> _Block:
+        """No cached block fits: cudaMalloc a new segment."""
+        seg_bytes = segment_size(size)
+        # the driver hands out lower addresses for later segments (seen in every measured trace), and ties
+        # between equal free blocks go to the lowest address: a newer segment wins
+        self._next_offset -= seg_bytes + ROUND_LARGE  # segments are never adjacent
+        self._grow(seg_bytes)
+        return _Block(self._next_offset, seg_bytes, True, small)
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
 
     def _unpool(self, b: _Block) -> None:
         pool = self._free[b.small]
@@ -134,9 +141,57 @@ class CachingAllocatorModel:
             block = prv
         self._by_offset[block.offset] = block
         bisect.insort(self._free[block.small], (block.size, block.offset))
+        self._merged(block)
+
+    def _merged(self, block: _Block) -> None:
+        """Hook: `block` is free after merging with its free neighbours."""
 
 
-def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 2) -> tuple[int, int]:
+class ExpandableAllocatorModel(CachingAllocatorModel):
+    """The same cache with `expandable_segments:True`: one segment per pool, a virtual range that maps pages at its
+    end as it grows (CUDACachingAllocator.cpp, `ExpandableSegment`: 20 MiB pages for the large pool, 2 MiB for the
+    small one). A request no cached block holds extends the segment's free tail, or maps a new block after a busy
+    one; free blocks still strand memory between live ones until the allocator is under pressure (then it unmaps
+    free pages and retries: not modelled, the estimate reports the demand as for the default allocator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tail: dict[bool, _Block | None] = {True: None, False: None}
+        self._end = {True: 1 << 58, False: 1 << 59}  # separate virtual ranges per pool
+
+    def _new_block(self, size: int, small: bool) -> _Block:
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        tail = self._tail[small]
+        if tail is not None and tail.free:  # grow the free tail by whole pages
+            self._unpool(tail)
+            grow = -(-(size - tail.size) // page) * page
+            tail.size += grow
+            self._end[small] += grow
+            self._grow(grow)
+            return tail
+        nbytes = -(-size // page) * page
+        block = _Block(self._end[small], nbytes, True, small, tail, None)
+        if tail is not None:
+            tail.next = block
+        self._end[small] += nbytes
+        self._tail[small] = block
+        self._grow(nbytes)
+        return block
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        super().malloc(key, nbytes)
+        for small in (True, False):  # a split of the last block leaves its free rest at the end
+            tail = self._tail[small]
+            if tail is not None and tail.next is not None:
+                self._tail[small] = tail.next
+
+    def _merged(self, block: _Block) -> None:
+        if block.next is None:  # the freed (and merged) block ends the segment
+            self._tail[block.small] = block
+
+
+def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 2,
+                    expandable: bool = False) -> tuple[int, int]:
     """Peak (reserved, allocated) bytes over `steps` repetitions of one step's tape.
 
     Two steps reach the steady state: the second starts with the blocks the first left cached (the same
@@ -145,7 +200,7 @@ def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 
     `resident` lists the sizes of the tensors allocated before training (weights, adapters...), each in its own
     request, as model loading does; optimizer states appear in the first step's tape and stay.
     """
-    model = CachingAllocatorModel()
+    model = ExpandableAllocatorModel() if expandable else CachingAllocatorModel()
     for i, nbytes in enumerate(resident):
         model.malloc(-1 - i, nbytes)
     events = [(ev.tid, ev.nbytes) for ev in step_events if not ev.retag]
@@ -160,36 +215,3 @@ def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 
         # tensors still live at the end of the step (none, once the step frees what it made) carry over
     return model.peak_reserved, model.peak_allocated
 
-
-def expandable_reserved_bytes(resident: list[int], step_events: list[Event]) -> int:
-    """The memory a step needs with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
-
-    With expandable segments each pool is one virtual range that maps physical pages (2 MiB) as it grows, and
-    when an allocation fails the allocator unmaps the free pages of its cache and retries
-    (CUDACachingAllocator.cpp, `ExpandableSegment`; `release_cached_blocks`). So free blocks cannot strand
-    memory that a larger request needs: what must fit under the budget is the peak of the live blocks, rounded
-    to whole pages per pool, small and large. (Uncapped, the allocator still caches freed pages, so the measured
-    `max_memory_reserved` can be higher; capped, it stays under the budget while this figure does.)
-    """
-    small = large = peak = 0
-    sizes: dict[int, int] = {}
-    for i, nbytes in enumerate(resident):
-        block = round_size(nbytes)
-        sizes[-1 - i] = block
-        large += block if block > SMALL_SIZE else 0
-        small += block if block <= SMALL_SIZE else 0
-    for ev in step_events:
-        if ev.retag:
-            continue
-        if ev.nbytes > 0:
-            block = round_size(ev.nbytes)
-            sizes[ev.tid] = block
-        else:
-            block = -sizes.pop(ev.tid, 0)
-        if abs(block) <= SMALL_SIZE:
-            small += block
-        else:
-            large += block
-        pages = -(-large // ROUND_LARGE) * ROUND_LARGE + -(-small // SMALL_BUFFER) * SMALL_BUFFER
-        peak = max(peak, pages)
-    return peak

@@ -18,12 +18,12 @@ from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
 from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
 from ..units import GiB
-from .allocator import expandable_reserved_bytes, replay_reserved
+from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
 from .layers import FP32, LayerContext, decoder_layer
 
 #: Tokens per tile of fitune's tiled MLP (fitune.train.techniques.tiled_mlp.TILE_TOKENS).
-TILE_TOKENS = 4096
+TILE_TOKENS = 2048
 #: Rows per tile of fitune's lean RMSNorm (fitune.train.techniques.lean_norm.TILE_TOKENS).
 LEAN_NORM_ROWS = 8192
 from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, LOGITS, OPTIMIZER,
@@ -148,6 +148,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         use_cache=mode == "none" and setup.stack == "hf",
         tiled_mlp_tokens=TILE_TOKENS if setup.tiled_mlp else 0,
         lean_lora=setup.lean_lora, lean_norm_rows=LEAN_NORM_ROWS if setup.lean_norm else 0,
+        liger=setup.kernels == "liger",
     )
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
@@ -197,13 +198,18 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     phases = replay(tape.events, resident)
     peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
     peak_alloc = phases[peak_phase].peak_bytes
-    if setup.expandable_segments:
-        reserved = expandable_reserved_bytes(_resident_blocks(model, setup, resident), tape.events)
-    else:
-        reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events, steps=allocator_steps)
+    reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events, steps=allocator_steps,
+                                  expandable=setup.expandable_segments)
     reserved = max(reserved, peak_alloc)
     breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in CATEGORIES}
     breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
+    if host_bytes:
+        per_layer = host_bytes // max(1, k_ckpt)
+        rounded = k_ckpt * (1 << (per_layer - 1).bit_length())
+        if rounded > host_bytes:
+            notes.append(f"pinned host memory: {host_bytes / GiB:.2f} GiB with PyTorch 2.13+ (fitune train asks for "
+                         f"exact-size pinned blocks); older PyTorch rounds each layer's block up to a power of two: "
+                         f"{rounded / GiB:.2f} GiB (measured on 2.11)")
     if setup.stack == "fitune":
         notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
                      "checkpointing when chosen")
@@ -345,8 +351,17 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
         y2 = decoder_layer(sub2, c, restored, sliding)
         sub2._grads[y2.tid] = g
         sub2._grad_refs[g.tid] = 1
-        sub2.drop(y2)
+        # offload (fitune/train/techniques/offload.py) recomputes as reentrant checkpointing does: the whole layer,
+        # then autograd.backward(y, grad_y). The recomputed output stays referenced through the layer's backward,
+        # and the incoming gradient, still held by the caller, reaches the input leaf through the residual adds:
+        # AccumulateGrad copies it (a shared gradient is not stolen). Two more hidden-size tensors than non-reentrant.
+        held = [y2] if offload else []
+        if not offload:
+            sub2.drop(y2)
+        copy = main.tape.alloc(x.nbytes, TRANSIENTS, "x.grad (AccumulateGrad copy)") if offload else None
         sub2.backward()
+        for t in held:
+            sub2.drop(t)
         main.param_grads.extend(sub2.param_grads)
         gx = sub2._grads.pop(restored.tid, None)
         if gx is not None:
@@ -356,7 +371,7 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
                 main._grads[x.tid] = gx
             main._grad_refs[gx.tid] = 1
         if offload:
-            main.tape.free(restored.tid, prefetch)
+            main.tape.free(restored.tid, prefetch, copy)
 
     if offload:
         ag.tape.free(x.tid)  # the GPU copy goes; the host copy stays until backward

@@ -32,6 +32,7 @@ class LayerContext:
     tiled_mlp_tokens: int = 0  # fitune's tiled MLP: tokens per tile (0: off)
     lean_lora: bool = False  # fitune's lean LoRA branch (fitune/train/techniques/lean_lora.py)
     lean_norm_rows: int = 0  # fitune's lean RMSNorm: rows per tile (0: off; fitune/train/techniques/lean_norm.py)
+    liger: bool = False  # Liger's RMSNorm and SwiGLU kernels (fitune/train/techniques/fused_kernels.py)
 
     @property
     def tokens(self) -> int:
@@ -149,6 +150,8 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     """
     w = c.act_bytes
     rows = x.nbytes // w // width  # one rsqrt per normalised vector (per token, or per head for q/k norms)
+    if c.liger and not gemma and label in LIGER_NORMS:
+        return liger_rms_norm(ag, c, x, rows, label)
     if c.lean_norm_rows and not gemma:
         return lean_rms_norm(ag, c, x, width, rows, label)
     x32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:fp32") if w != FP32 else x
@@ -175,6 +178,21 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
         ag.record(out2, [out], [], [out.nbytes])  # times the frozen weight: the gradient is a new tensor
         ag.drop(out)
         out = out2
+    return out
+
+
+#: The norms Liger's `apply_liger_kernel_to_*(model=...)` replaces (the decoder layers' two and the final one).
+LIGER_NORMS = ("input_norm", "post_attn_norm", "final_norm")
+
+
+def liger_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, rows: int, label: str) -> Tensor:
+    """Liger's RMSNorm (liger_kernel/ops/rms_norm.py, 0.8.5): one Triton kernel writes the output and an fp32 rstd
+    per row and saves the input; backward writes the input's gradient over the incoming one (`in_place=True`)."""
+    rs = ag.new(FP32 * rows, x.requires_grad, f"{label}:rstd")
+    out = ag.new(x.nbytes, x.requires_grad, f"{label}:out")
+    ag.record_passthrough(out, [x], label=label)
+    ag.save_only([x, rs], label)
+    ag.drop(rs)
     return out
 
 
@@ -425,6 +443,13 @@ def plain_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
         prod = ag.new(w * i * T, gu.requires_grad, "mlp:prod")
         ag.record(prod, [gu, act], [act], [gu.nbytes, act.nbytes], label="mul")
         ag.drop(gu, act)
+    elif c.liger:  # LigerSiLUMulFunction: saves both inputs, writes their gradients in place of them
+        g = linear(ag, c, x, lins["gate_proj"])
+        u = linear(ag, c, x, lins["up_proj"])
+        prod = ag.new(w * i * T, True, "mlp:swiglu")
+        ag.record_passthrough(prod, [g, u], label="swiglu")
+        ag.save_only([g, u], "swiglu")
+        ag.drop(g, u)
     else:
         g = linear(ag, c, x, lins["gate_proj"])
         act = ag.new(w * i * T, g.requires_grad, "mlp:act")

@@ -156,9 +156,19 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                     "(each GPU holds a full copy)")
     if plan.requires:
         body.append(f"# needs: {', '.join(plan.requires)}")
-    body += ["import torch", *imports, ""]
+    techniques = _fitune_techniques(s)
+    if s.expandable_segments:
+        body += ["import os", "",
+                 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch uses the GPU']
+    body += ["import torch", *imports]
+    if techniques:
+        body += ["# fitune's techniques that this plan's memory estimate counts on (pip install fitune; each is exact)"]
+        body += [f"from fitune.train.techniques.{module} import {name}" for module, name, _ in techniques]
+    body.append("")
     body += load
     body.append("model.config.use_cache = False  # no KV cache in training")
+    if s.kernels == "liger":
+        body.append("enable_liger_kernels(model)  # Liger's fused RMSNorm, SwiGLU and RoPE, before LoRA wraps the model")
     if s.method in ("lora", "qlora"):
         targets = "all-linear" if s.all_linear else list(s.lora_targets)
         body += ["model = get_peft_model(model, LoraConfig(",
@@ -171,6 +181,19 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                  f"for layer in model.model.layers[-{s.freeze_trainable_layers}:]:  # the last layers train",
                  "    for p in layer.parameters():",
                  "        p.requires_grad_(True)"]
+    body += [line for _, _, lines in techniques for line in lines]
+    if s.loss == "chunked":
+        body += ["",
+                 "",
+                 "class ChunkedLossTrainer(Trainer):",
+                 '    """Trainer whose loss never materialises the whole sequence\'s logits (fitune\'s chunked loss)."""',
+                 "",
+                 "    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):",
+                 "        inputs = dict(inputs)",
+                 '        loss = causal_lm_chunked_loss(model, inputs.pop("input_ids"), inputs.pop("labels"),',
+                 "                                      num_items=num_items_in_batch, use_cache=False, **inputs)",
+                 "        return (loss, None) if return_outputs else loss",
+                 ""]
     body += ["",
              f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(model_ref)})",
              f"# train_dataset: tokenized examples (input_ids, labels) of at most {s.seq_len_tokens} tokens"
@@ -182,7 +205,7 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
              f"    output_dir={json.dumps('runs/' + s.method)},",
              f"    per_device_train_batch_size={s.batch_size},",
              f"    gradient_accumulation_steps={s.grad_accum},"]
-    if s.grad_checkpointing != "none":
+    if s.grad_checkpointing != "none" and s.checkpointed_layers_mode != "offload":  # offload: set up above
         body += ["    gradient_checkpointing=True,",
                  '    gradient_checkpointing_kwargs={"use_reentrant": False},']
     if s.dtype == "bf16" or s.method == "qlora":
@@ -194,8 +217,31 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
              "    num_train_epochs=1,",
              "    logging_steps=1,",
              ")",
-             "trainer = Trainer(model=model, args=args, train_dataset=train_dataset)",
+             f"trainer = {'ChunkedLossTrainer' if s.loss == 'chunked' else 'Trainer'}(model=model, args=args, "
+             "train_dataset=train_dataset)",
              "trainer.train()",
              ""]
     return "\n".join(body)
 
+
+
+def _fitune_techniques(s: TrainSetup) -> list[tuple[str, str, list[str]]]:
+    """(module, function, lines that apply it after LoRA wraps the model) for each fitune technique of `s`."""
+    out = []
+    if s.kernels == "liger":  # applied right after loading (see hf_code)
+        out.append(("fused_kernels", "enable_liger_kernels", []))
+    if s.lean_lora:
+        out.append(("lean_lora", "enable_lean_lora", ["enable_lean_lora(model)  # LoRA branch in bf16: no fp32 copy of "
+                                                     "each adapter's input"]))
+    if s.lean_norm:
+        out.append(("lean_norm", "enable_lean_norm", ["enable_lean_norm(model)  # RMSNorm in tiles, saving only its "
+                                                     "bf16 input"]))
+    if s.tiled_mlp:
+        out.append(("tiled_mlp", "enable_tiled_mlp", ["enable_tiled_mlp(model)  # the MLP a tile of tokens at a time"]))
+    if s.checkpointed_layers_mode == "offload":
+        out.append(("offload", "enable_offloaded_checkpointing", [
+            'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
+            "enable_offloaded_checkpointing(model)  # each layer's input waits in pinned host memory"]))
+    if s.loss == "chunked":
+        out.append(("chunked_loss", "causal_lm_chunked_loss", []))
+    return out

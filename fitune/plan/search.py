@@ -46,11 +46,15 @@ OPTIMIZER_PREFERENCE = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "s
 ADAM_FAMILY = ("adamw", "adamw8bit", "paged_adamw8bit")
 #: Optimizers from lightest to heaviest state in PyTorch's allocator (paged states live in managed memory).
 OPTIMIZER_BY_MEMORY = ("sgd", "paged_adamw8bit", "adafactor", "adamw8bit", "adamw")
-#: Checkpointing modes the search ranks. fitune train also runs offload and selective:K; offload is offered when
-#: nothing else fits (its overlap is not calibrated), selective:K is not searched yet.
-RUNNABLE_CHECKPOINTING = ("none", "full")
+#: Checkpointing modes the search ranks. offload comes with the tiled MLP (the long-context setup of
+#: bench/max_context.py); it ranks after full checkpointing (same predicted compute plus the tiled MLP's
+#: recomputation), so it is chosen when nothing lighter fits. selective:K is not searched yet.
+RUNNABLE_CHECKPOINTING = ("none", "full", "offload")
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
 RUNNABLE_LOSSES = ("hf", "chunked")
+#: Models whose RMSNorm is transformers' Llama one, which fitune's lean RMSNorm replaces (lean_norm.py checks the
+#: byte code at run time; these are the catalog's families that pass).
+LEAN_NORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _LOSS_MEMORY = {"chunked": 0, "hf": 1}
 DEFAULT_METHODS = ("lora", "qlora")
 DEFAULT_ATTNS = ("sdpa", "eager")
@@ -89,6 +93,9 @@ class PlanRequest:
     """False (--no-quantize): QLoRA is never suggested, even when nothing else fits."""
     host_ram_bytes: int | None = None
     """Host memory, bytes: the runner loads bf16 weights on the CPU first (QLoRA streams them to the GPU)."""
+    kernels: str = "torch"
+    """torch (transformers' modules + fitune's lean RMSNorm) | liger (the user has liger-kernel: its fused RMSNorm,
+    SwiGLU and RoPE; less memory and measured faster, bench/results/issue5/)."""
     data: DataProfile | None = None
     top: int = 3
     """Plans to return (each confirmed with the full estimate)."""
@@ -267,7 +274,10 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
     s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_targets=req.lora_targets,
                    dtype=req.dtype, grad_checkpointing=g.ckpt, attn=g.attn, optimizer=optimizer, batch_size=g.micro,
                    seq_len_tokens=req.seq_len_tokens, grad_accum=req.per_gpu_batch // g.micro,
-                   freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss)
+                   freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss,
+                   lean_lora=g.method in ("lora", "qlora"), kernels=req.kernels,
+                   lean_norm=req.kernels == "torch" and req.model.model_type in LEAN_NORM_MODEL_TYPES,
+                   expandable_segments=True, tiled_mlp=g.ckpt == "offload")
     return s.replace(**changes) if changes else s
 
 
@@ -286,7 +296,7 @@ def _tokens_per_s(req: PlanRequest, setup: TrainSetup, packing: bool) -> tuple[t
 
 
 def _nondefault(g: _Group) -> int:
-    return int(g.attn != "sdpa") + int(g.loss != "hf")
+    return int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload")
 
 
 def _same_but_loss(a: _Group, b: _Group) -> bool:
@@ -395,10 +405,23 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
         plain = throughput.predict(req.model, s.replace(grad_checkpointing="none"), req.gpu).step_time_s
         ckpt = throughput.predict(req.model, s, req.gpu).step_time_s
         out.append(f"activation checkpointing (recomputes every layer: {ckpt / plain - 1:+.0%} step time)")
+    if s.checkpointed_layers_mode == "offload":
+        host = s.tokens_per_step * req.model.hidden_size * 2 * req.model.num_layers
+        out.append(f"offloaded checkpoints (each layer's input waits in pinned host memory: {_fmt(host)} of host RAM)")
+    if s.tiled_mlp:
+        out.append("tiled MLP (one tile of the MLP's intermediates at a time)")
     if s.attn != "sdpa":
         out.append(f"{s.attn} attention")
     if s.loss == "chunked":
         out.append("chunked loss (the full fp32 logits are never materialised)")
+    if s.lean_lora:
+        out.append("lean LoRA (the adapter branch in bf16: no fp32 copy of each adapter's input)")
+    if s.lean_norm:
+        out.append("lean RMSNorm (tiles in fp32, saves only its bf16 input)")
+    if s.kernels == "liger":
+        out.append("Liger's fused RMSNorm, SwiGLU and RoPE kernels")
+    if s.expandable_segments:
+        out.append("expandable segments in PyTorch's allocator (little fragmentation)")
     if s.optimizer != "adamw":
         out.append({"adamw8bit": "8-bit AdamW states", "paged_adamw8bit": "paged 8-bit AdamW states (managed memory)",
                     "adafactor": "Adafactor (factored second moment; changes the update)",
@@ -417,6 +440,8 @@ def requirements(s: TrainSetup) -> list[str]:
         out.append("bitsandbytes + a CUDA GPU")
     if s.attn == "flash":
         out.append("flash-attn")
+    if s.kernels == "liger":
+        out.append("liger-kernel + a CUDA GPU")
     return out
 
 
@@ -475,7 +500,7 @@ def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Pla
 def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, **changes) -> TrainSetup:
     attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
-    g = _Group(method, 1, "full", attn, False, "chunked" if "chunked" in req.losses else "hf")
+    g = _Group(method, 1, "offload", attn, False, "chunked" if "chunked" in req.losses else "hf")
     s = _setup(req, g, opt, **changes)
     return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
 

@@ -37,6 +37,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from ..memory.estimate import TILE_TOKENS
 from ..memory import adapters as adapter_terms
 from ..memory import weights as weight_terms
 from ..perf.flops import forward_flops_per_token
@@ -138,6 +139,9 @@ def step_terms(model: ModelSpec, setup: TrainSetup) -> StepTerms:
         weight_grads = lin if s.method == "full" else 0
         linear = head + decoder * fwd + lin + weight_grads
         attention = att * fwd + att * 2
+    if s.tiled_mlp and T > TILE_TOKENS:
+        # fitune's tiled MLP recomputes each tile's gate/up/down once more in backward (tiled_mlp.py)
+        linear += L * 2 * 3 * m.hidden_size * m.intermediate_size
     if s.attn == "eager":
         attention *= 2  # eager multiplies the whole seq x seq square; sdpa/flash skip the masked half
     bwd_layers = L if s.method != "freeze" else min(s.freeze_trainable_layers, L)

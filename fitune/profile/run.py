@@ -131,9 +131,9 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
-    from ..train.model import prepare_for_setup, use_expandable_segments
+    from ..train.model import configure_allocator, prepare_for_setup
 
-    use_expandable_segments(setup.expandable_segments)  # effective when no CUDA memory was allocated yet
+    configure_allocator(setup)  # effective when CUDA has not started yet
     est = estimate(model_spec, setup, cap or gpu, device=device)
     cuda = device == "cuda"
     cap_bytes = cap.allocator_budget_bytes if cap is not None else None

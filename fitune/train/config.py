@@ -67,6 +67,9 @@ class TrainConfig:
     seed: int = 0
     packing: bool = False
     """Pack short examples into full sequences (attention kept inside each example)."""
+    packing_attention: str = "varlen"
+    """With packing: varlen (each example attended on its own, no mask tensor; sdpa models without a sliding
+    window) | mask (transformers' block-diagonal mask, rows x length^2 bytes)."""
     eval_every: int | None = None
     """Evaluate every N steps (and at the end) when data.eval_path is set."""
     save_every: int | None = None
@@ -89,6 +92,8 @@ class TrainConfig:
             problems.append("model: missing; give a Hugging Face model folder (or a catalog name with init: random)")
         if self.init not in ("pretrained", "random"):
             problems.append(f"init: {self.init!r} is not one of: pretrained, random")
+        if self.packing_attention not in ("varlen", "mask"):
+            problems.append(f"packing_attention: {self.packing_attention!r} is not one of: varlen, mask")
         if self.init == "pretrained" and self.model and not os.path.isdir(self.model):
             problems.append(f"model: {self.model!r} is not a folder; pretrained weights load from a Hugging Face model "
                             "folder (for a catalog name use `init: random` and `tokenizer:`)")
@@ -140,7 +145,7 @@ class TrainConfig:
             "dtype": s.dtype, "grad_checkpointing": s.grad_checkpointing, "attn": s.attn, "optimizer": s.optimizer,
             "batch_size": s.batch_size, "seq_len": s.seq_len_tokens, "grad_accum": s.grad_accum, "loss": s.loss,
             "stack": s.stack, "tiled_mlp": s.tiled_mlp, "lean_lora": s.lean_lora, "lean_norm": s.lean_norm,
-            "expandable_segments": s.expandable_segments,
+            "expandable_segments": s.expandable_segments, "kernels": s.kernels,
             "data": {k: v for k, v in dataclasses.asdict(self.data).items() if v is not None},
         })
         return {k: v for k, v in d.items() if v is not None}
@@ -150,7 +155,7 @@ class TrainConfig:
 _CONFIG_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"setup", "data"}
 _SETUP_KEYS = {"method", "dtype", "grad_checkpointing", "attn", "optimizer", "batch_size", "seq_len", "grad_accum",
                "loss", "stack", "freeze_trainable_layers", "lora", "tiled_mlp",
-               "lean_lora", "lean_norm", "expandable_segments"}
+               "lean_lora", "lean_norm", "expandable_segments", "kernels"}
 
 
 def config_from_dict(doc: dict, source: str = "config", overrides: dict | None = None) -> TrainConfig:

@@ -66,9 +66,9 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
 
     from . import data as data_mod
     from .model import (load_model, load_tokenizer, pick_device, prepare_for_method, set_checkpointing,
-                        use_expandable_segments)
+                        configure_allocator)
 
-    use_expandable_segments(cfg.setup.expandable_segments)  # before the first CUDA allocation
+    configure_allocator(cfg.setup)  # before CUDA starts
     device = pick_device()
     if cfg.cap and device == "cuda":
         from ..specs.gpu import resolve_gpu
@@ -97,6 +97,14 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
 
     # ---- model, optimizer, schedule ------------------------------------------------------------------------
     model = prepare_for_method(load_model(cfg, device), cfg)
+    if cfg.packing and cfg.packing_attention == "varlen":
+        from .techniques.varlen_attention import enable_varlen_attention
+
+        if enable_varlen_attention(model):
+            log.info("packing: examples attended one by one inside each row (no mask tensor)")
+        else:
+            log.info("packing: this model keeps transformers' block-diagonal mask (sliding window or attention %s)",
+                     s.attn)
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "

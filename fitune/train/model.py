@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from ..errors import ConfigError
 from ..setup import TrainSetup
@@ -78,11 +79,16 @@ def prepare_for_method(model, cfg: TrainConfig):
 
 def prepare_for_setup(model, s: TrainSetup):
     """The method's trainable parameters (LoRA adapters, the last layers for freeze, everything for full) and the
-    memory techniques of `s`: lean LoRA, lean RMSNorm, tiled MLP, checkpointing (full, offloaded, selective).
-    Shared by train, profile and the GPU benchmarks. (Expandable segments are set before CUDA starts:
-    `use_expandable_segments`.)"""
+    memory techniques of `s`: Liger kernels, lean LoRA, lean RMSNorm, tiled MLP, checkpointing (full, offloaded,
+    selective).
+    Shared by train, profile and the GPU benchmarks. (The allocator's settings are made before CUDA starts:
+    `configure_allocator`.)"""
     from ..profile import hf_recipe
 
+    if s.kernels == "liger":  # before LoRA wraps the projections: Liger patches the base model's modules
+        from .techniques.fused_kernels import enable_liger_kernels
+
+        enable_liger_kernels(model)
     if s.method in ("lora", "qlora"):
         targets = "all-linear" if s.all_linear else list(s.lora_targets)
         model = hf_recipe.wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha)
@@ -116,14 +122,44 @@ def prepare_for_setup(model, s: TrainSetup):
     return model
 
 
-def use_expandable_segments(on: bool) -> None:
-    """Ask PyTorch's CUDA allocator for expandable segments. Must run before the first CUDA allocation; a value the
-    user already put in PYTORCH_CUDA_ALLOC_CONF wins."""
+#: Offloaded checkpoints larger than this get exact-size pinned host blocks (see configure_allocator).
+EXACT_PINNED_ABOVE_MB = 64
+
+
+def configure_allocator(s: TrainSetup) -> dict[str, str]:
+    """Set PYTORCH_CUDA_ALLOC_CONF for `s` before CUDA starts; returns what was added. A key the user already set
+    wins.
+
+    - expandable_segments:True when `s.expandable_segments` (freed blocks are not stranded between live ones);
+    - with offloaded checkpoints, pinned_max_round_threshold_mb: PyTorch's pinned-memory allocator rounds every
+      block up to a power of two by default, so a 1.17 GB checkpoint (143k tokens x 8 KiB) holds 2 GiB of host
+      RAM (measured: bench/results/issue5/). Blocks above the threshold get their exact size. The option is parsed
+      by PyTorch 2.13's allocator config (c10/core/AllocatorConfig.h, pull 171662); fitune sets it from 2.13 on
+      and leaves older versions, which may reject the key, with the rounding (fitune estimate notes it). Not yet
+      measured on a GPU: the GPU machine has PyTorch 2.11.
+    """
     import os
 
-    if on and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (current, "expandable_segments:True") if x)
+    added: dict[str, str] = {}
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if s.expandable_segments and "expandable_segments" not in current:
+        added["expandable_segments"] = "True"
+    if s.checkpointed_layers_mode == "offload" and "pinned_max_round_threshold" not in current \
+            and exact_pinned_supported():
+        added["pinned_max_round_threshold_mb"] = str(EXACT_PINNED_ABOVE_MB)
+    if added:
+        items = [current] if current else []
+        items += [f"{k}:{v}" for k, v in added.items()]
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(items)
+    return added
+
+
+def exact_pinned_supported() -> bool:
+    """Whether this PyTorch knows pinned_max_round_threshold_mb (checked in 2.13's allocator config)."""
+    import torch
+
+    version = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 13)
 
 
 def set_checkpointing(model, on: bool) -> None:

@@ -39,12 +39,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits = t * softcap
             valid = y != IGNORE_INDEX
             safe_y = torch.where(valid, y, torch.zeros_like(y))
-            lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            # log-sum-exp and softmax in place: torch.logsumexp would allocate a temporary the size of the chunk
+            peak = logits.amax(dim=-1, keepdim=True)
+            grad = logits.sub_(peak).exp_()  # exp(z - max), in place of the logits
+            del logits  # `grad` is the only name left for the chunk's fp32 block: it goes with `del grad`
+            sums = grad.sum(dim=-1, keepdim=True)
+            lse = (sums.log() + peak).squeeze(1)
             total += ((lse - picked) * valid).sum()
+            del picked, lse, peak
             if not (need_h or need_w):
+                del grad
                 continue
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            grad.div_(sums)  # softmax
             grad[torch.arange(end - start, device=grad.device), safe_y] -= valid.to(grad.dtype)
             grad *= valid[:, None].to(grad.dtype)
             if softcap:

@@ -58,7 +58,7 @@ class OffloadManager:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, manager, run, x):
+    def forward(ctx, manager, run, x, anchor):
         ctx.run, ctx.manager, ctx.device = run, manager, x.device
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
@@ -83,7 +83,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         manager.prefetch(ctx.index)  # normally done already by the layer above
         if ctx.ready is not None:
             torch.cuda.current_stream(ctx.device).wait_event(ctx.ready)
-        x = ctx.restored.detach().requires_grad_(True)
+        need_x = ctx.needs_input_grad[2]
+        x = ctx.restored.detach().requires_grad_(need_x)
         ctx.restored = ctx.host = None
         manager.prefetch(ctx.index - 1)  # the layer below: its input travels while this one recomputes
         devices = [ctx.device] if ctx.cuda_rng is not None else []
@@ -95,17 +96,22 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 y = ctx.run(x)
         torch.autograd.backward(y, grad_y)
         manager.release(ctx.index)
-        return None, None, x.grad
+        return None, None, x.grad if need_x else None, None
 
 
 def enable_offloaded_checkpointing(model) -> OffloadManager:
     """Make every checkpointing decoder layer of `model` keep its input in host memory (see module docstring)."""
     manager = OffloadManager()
 
+    anchor = torch.zeros(0, requires_grad=True)
+
     def checkpoint(run, hidden_states, *args):
         if args:
             raise ValueError("offloaded checkpointing expects the layer's hidden states as its only positional input")
-        return _OffloadedCheckpoint.apply(manager, run, hidden_states)
+        # `anchor` makes the output require grad (so backward reaches the layer's parameters) even when the input
+        # does not: the first layer's input, the embeddings, then needs no requires_grad, and no autograd leaf
+        # keeps it on the GPU for the whole step (transformers' input-requires-grad hook is removed below)
+        return _OffloadedCheckpoint.apply(manager, run, hidden_states, anchor)
 
     found = 0
     for module in model.modules():
@@ -114,6 +120,11 @@ def enable_offloaded_checkpointing(model) -> OffloadManager:
             found += 1
     if not found:
         raise ValueError("no checkpointing layer found: call gradient_checkpointing_enable() first")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        for key, hook in list(embeddings._forward_hooks.items()):
+            if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+                del embeddings._forward_hooks[key]
     return manager
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-TILE_TOKENS = 4096  # fitune.memory.estimate.TILE_TOKENS models the same tile
+TILE_TOKENS = 2048  # fitune.memory.estimate.TILE_TOKENS models the same tile
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -44,6 +44,14 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, grad_x.view_as(x) if grad_x is not None else None) + (None,) * n_params
 
 
+def _tiled_no_grad(mlp, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(flat)
+    for start in range(0, flat.shape[0], tile_tokens):
+        out[start:start + tile_tokens] = mlp(flat[start:start + tile_tokens])
+    return out.view_as(x)
+
+
 def tile_mlp(mlp: torch.nn.Module, tile_tokens: int = TILE_TOKENS) -> None:
     """Make `mlp` run tiled (in place). Its trainable parameters still get their gradients."""
     plain_forward = mlp.forward
@@ -56,7 +64,11 @@ def tile_mlp(mlp: torch.nn.Module, tile_tokens: int = TILE_TOKENS) -> None:
 
     def forward(x):
         trainable = [p for p in mlp.parameters() if p.requires_grad]
-        if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+        if x.numel() // x.shape[-1] <= tile_tokens:  # one tile: the plain MLP (fitune.memory models the same)
+            return plain_forward(x)
+        if not torch.is_grad_enabled():  # e.g. a checkpointed layer's first forward: tiles too, nothing is kept
+            return _tiled_no_grad(plain, tile_tokens, x)
+        if not (x.requires_grad or trainable):
             return plain_forward(x)
         # the trainable parameters are inputs of the Function so that it runs when only they need gradients
         return _TiledMLP.apply(plain, tile_tokens, x, *trainable)
