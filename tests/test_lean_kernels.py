@@ -6,6 +6,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from tiny import init_lora_b, loss_and_grads  # noqa: E402
+
 from fitune.profile.hf_recipe import enable_checkpointing, wrap_lora  # noqa: E402
 from fitune.train.techniques.lean_lora import enable_lean_lora  # noqa: E402
 from fitune.train.techniques.lean_norm import enable_lean_norm, is_llama_rms_norm  # noqa: E402
@@ -25,16 +27,11 @@ def _model(targets, dtype=torch.float32, family="llama"):
     if targets is None:
         return model.train()
     model = wrap_lora(model, 8, targets)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.05)
+    init_lora_b(model, std=0.05)
     return model.train()
 
 
-def _run(model, ids):
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+_run = loss_and_grads
 
 
 def _compare(ref, got, rtol, atol):

@@ -6,6 +6,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from tiny import init_lora_b, loss_and_grads  # noqa: E402
+
 from fitune.profile.hf_recipe import enable_checkpointing, wrap_lora  # noqa: E402
 from fitune.train.techniques.tiled_mlp import enable_tiled_mlp  # noqa: E402
 
@@ -15,16 +17,11 @@ def _model(targets):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=200)
     model = wrap_lora(transformers.LlamaForCausalLM(cfg), 8, targets)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02)
+    init_lora_b(model, std=0.02)
     return model.train()
 
 
-def _run(model, ids):
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+_run = loss_and_grads
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])

@@ -52,3 +52,19 @@ def write_config(path: str, **keys) -> str:
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(keys, f)
     return path
+
+
+def init_lora_b(model, std: float) -> None:
+    """PEFT starts lora_B at zero (the adapter adds nothing); give it values so gradients reach lora_A too."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=std)
+
+
+def loss_and_grads(model, ids):
+    """One causal-LM step on `ids` (labels = inputs): the loss and every trainable gradient, in fp32."""
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
