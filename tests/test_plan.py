@@ -431,3 +431,14 @@ def test_written_plan_trains_with_fitune_train(tmp_path, monkeypatch, capsys):
     rc, out, _ = _run(["train", "plan.yaml", "--max-steps", "2", "--no-progress"], capsys)
     assert rc == 0 and "trained 2 steps" in out
     assert os.path.isfile(os.path.join("runs", "model-lora", "metrics.jsonl"))
+
+
+def test_offloaded_plans_respect_the_host_memory():
+    model, gpu = load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090")
+    long = dict(batch_size=1, seq_len_tokens=100_000, methods=("qlora",), lora_targets=("all-linear",), lora_rank=32)
+    best = plan(PlanRequest(model, gpu, **long)).plans[0]
+    assert best.setup.grad_checkpointing == "offload" and best.setup.tiled_mlp
+    assert any("24.41 GiB of host RAM" in t for t in best.turns_on)  # 100k tokens x 8 KiB x 32 layers
+    small_host = plan(PlanRequest(model, gpu, host_ram_bytes=16 * 2**30, **long))
+    assert small_host.plans == ()
+    assert small_host.minimum.setup.grad_checkpointing == "full"  # the requirement quoted is one that could run

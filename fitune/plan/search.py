@@ -236,6 +236,9 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
     micros = [m for m in range(1, req.per_gpu_batch + 1) if req.per_gpu_batch % m == 0]
     for method, micro, ckpt, attn, loss in itertools.product(methods, micros, RUNNABLE_CHECKPOINTING, req.attns,
                                                              req.losses):
+        if ckpt == "offload" and req.host_ram_bytes is not None \
+                and _offload_host_bytes(req, micro) > req.host_ram_bytes:
+            continue  # the offloaded checkpoints would not fit in the host memory given
         g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss)
         g.score = _tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1] * (1 - SPEED_TIE * _nondefault(g))
         groups.append(g)
@@ -279,6 +282,12 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
                    lean_norm=req.kernels == "torch" and req.model.model_type in LEAN_NORM_MODEL_TYPES,
                    expandable_segments=True, tiled_mlp=g.ckpt == "offload")
     return s.replace(**changes) if changes else s
+
+
+def _offload_host_bytes(req: PlanRequest, micro: int, seq_len_tokens: int | None = None) -> int:
+    """Pinned host memory of offloaded checkpoints: every layer's input, hidden x 2 bytes per token."""
+    seq = seq_len_tokens or req.seq_len_tokens
+    return micro * seq * req.model.hidden_size * 2 * req.model.num_layers
 
 
 def _packing(req: PlanRequest, micro: int) -> bool:
@@ -406,7 +415,7 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
         ckpt = throughput.predict(req.model, s, req.gpu).step_time_s
         out.append(f"activation checkpointing (recomputes every layer: {ckpt / plain - 1:+.0%} step time)")
     if s.checkpointed_layers_mode == "offload":
-        host = s.tokens_per_step * req.model.hidden_size * 2 * req.model.num_layers
+        host = _offload_host_bytes(req, s.batch_size)
         out.append(f"offloaded checkpoints (each layer's input waits in pinned host memory: {_fmt(host)} of host RAM)")
     if s.tiled_mlp:
         out.append("tiled MLP (one tile of the MLP's intermediates at a time)")
@@ -500,7 +509,9 @@ def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Pla
 def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, **changes) -> TrainSetup:
     attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
-    g = _Group(method, 1, "offload", attn, False, "chunked" if "chunked" in req.losses else "hf")
+    host = _offload_host_bytes(req, 1, seq_len_tokens)
+    ckpt = "offload" if req.host_ram_bytes is None or host <= req.host_ram_bytes else "full"
+    g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses else "hf")
     s = _setup(req, g, opt, **changes)
     return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
 
@@ -580,17 +591,6 @@ def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -
         break
     # more GPUs: data parallel does not help; sharding would (not modelled)
     changes.append(_sharding_change(req, minimum))
-    # checkpoints in host memory: fitune train runs it (fitune/train/techniques/offload.py); not in the ranked
-    # search yet because the throughput model has no measured offloaded run to calibrate the overlap
-    for label, kw in (("--grad-checkpointing offload", {"grad_checkpointing": "offload"}),):
-        e = _judge(fast, minimum.setup.replace(**kw))
-        host = f"; {_fmt(e.host_bytes)} of pinned host memory, ~{throughput.offload_transfer_s(e.host_bytes, req.gpu):.2f} s " \
-               "over PCIe per micro-batch if not overlapped" if e.host_bytes else ""
-        if req.host_ram_bytes is not None and e.host_bytes > req.host_ram_bytes:
-            continue
-        if e.fits:
-            changes.append(Change(label, f"each checkpointed layer's input waits in pinned host memory{host}",
-                                  e.peak_allocated_bytes, True, bool(e.retries_expected), True))
     return minimum, changes
 
 
