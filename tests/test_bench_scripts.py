@@ -43,17 +43,22 @@ def test_max_context_search_finds_the_threshold(threshold):
     assert len(probes) <= 16
 
 
-def test_max_context_runs_on_a_tiny_model(tmp_path):
+def _run_on_tiny_model(tmp_path, script: str, stacks, *args) -> list[dict]:
+    """Run bench/SCRIPT.py on the CPU for each stack on a tiny Llama; the JSON lines it wrote."""
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     cfg = _tiny_config(tmp_path)
-    out = tmp_path / "probe.jsonl"
-    for stack in ("hf", "fitune"):
-        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "max_context.py"), "--stack", stack, "--model",
-                        str(cfg), "--device", "cpu", "--cap", "", "--start", "64", "--resolution", "64",
-                        "--limit", "256", "--steps", "1", "--out", str(out)], check=True, cwd=ROOT,
+    out = tmp_path / f"{script}.jsonl"
+    for stack in stacks:
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", f"{script}.py"), "--stack", stack, "--model",
+                        str(cfg), "--device", "cpu", "--cap", "", *args, "--out", str(out)], check=True, cwd=ROOT,
                        capture_output=True, text=True)
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def test_max_context_runs_on_a_tiny_model(tmp_path):
+    lines = _run_on_tiny_model(tmp_path, "max_context", ("hf", "fitune"), "--start", "64", "--resolution", "64",
+                               "--limit", "256", "--steps", "1")
     finals = [x for x in lines if "max_seq_len_tokens" in x]
     assert [x["max_seq_len_tokens"] for x in finals] == [256, 256]  # no cap on the CPU: everything fits
     assert all(x["fits"] for x in lines if "fits" in x)
@@ -62,27 +67,14 @@ def test_max_context_runs_on_a_tiny_model(tmp_path):
 
 
 def test_max_context_probes_fixed_lengths(tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    cfg = _tiny_config(tmp_path)
-    out = tmp_path / "fixed.jsonl"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "max_context.py"), "--stack", "fitune", "--model",
-                    str(cfg), "--device", "cpu", "--cap", "", "--seqs", "96,160", "--batch-size", "2", "--lora-targets",
-                    "all-linear", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    lines = _run_on_tiny_model(tmp_path, "max_context", ("fitune",), "--seqs", "96,160", "--batch-size", "2",
+                               "--lora-targets", "all-linear")
     assert [(x["seq_len_tokens"], x["batch_size"], x["fits"]) for x in lines] == [(96, 2, True), (160, 2, True)]
 
 
 def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    cfg = _tiny_config(tmp_path)
-    out = tmp_path / "tps.jsonl"
-    for stack in ("hf", "fitune"):
-        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "throughput.py"), "--stack", stack, "--model",
-                        str(cfg), "--device", "cpu", "--cap", "", "--seq-len", "64", "--steps", "2",
-                        "--selective", "1", "--out", str(out)], check=True, cwd=ROOT, capture_output=True, text=True)
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    lines = _run_on_tiny_model(tmp_path, "throughput", ("hf", "fitune"), "--seq-len", "64", "--steps", "2",
+                               "--selective", "1")
     assert [(x["stack"], x["grad_checkpointing"], x.get("micro_batch_size")) for x in lines] == [
         ("hf", "none", None), ("hf", "full", None), ("hf", "none", 1), ("fitune", "selective:1", None),
         ("fitune", "full", None), ("fitune", "none", 1)]

@@ -180,10 +180,10 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
 
     def malloc(self, key: int, nbytes: int) -> None:
         super().malloc(key, nbytes)
-        for small in (True, False):  # a split of the last block leaves its free rest at the end
-            tail = self._tail[small]
-            if tail is not None and tail.next is not None:
-                self._tail[small] = tail.next
+        small = round_size(nbytes) <= SMALL_SIZE
+        tail = self._tail[small]
+        if tail is not None and tail.next is not None:  # a split of the last block left its free rest at the end
+            self._tail[small] = tail.next
 
     def _merged(self, block: _Block) -> None:
         if block.next is None:  # the freed (and merged) block ends the segment

@@ -355,20 +355,16 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
         # then autograd.backward(y, grad_y). The recomputed output stays referenced through the layer's backward,
         # and the incoming gradient, still held by the caller, reaches the input leaf through the residual adds:
         # AccumulateGrad copies it (a shared gradient is not stolen). Two more hidden-size tensors than non-reentrant.
-        held = [y2] if offload else []
         if not offload:
             sub2.drop(y2)
         copy = main.tape.alloc(x.nbytes, TRANSIENTS, "x.grad (AccumulateGrad copy)") if offload else None
         sub2.backward()
-        for t in held:
-            sub2.drop(t)
+        if offload:
+            sub2.drop(y2)
         main.param_grads.extend(sub2.param_grads)
         gx = sub2._grads.pop(restored.tid, None)
         if gx is not None:
-            if offload:
-                main._grads[x.tid] = gx
-            else:
-                main._grads[x.tid] = gx
+            main._grads[x.tid] = gx
             main._grad_refs[gx.tid] = 1
         if offload:
             main.tape.free(restored.tid, prefetch, copy)

@@ -57,11 +57,6 @@ TERMS = ("linear", "attention", "launches", "checkpointed_layers", "activations"
 KERNELS_PER_LAYER = 20
 KERNELS_PER_LORA_TARGET = 4
 
-#: Effective PCIe bandwidth per direction, GB/s (about 80 % of the link rate: 3.0 x16 = 15.8, 4.0 = 31.5,
-#: 5.0 = 63 GB/s raw). Used only for the transfer time of offloaded checkpoints (a runner feature to come).
-PCIE_GB_S = {"3.0": 12.0, "4.0": 25.0, "5.0": 50.0}
-
-
 @dataclass(frozen=True)
 class StepTerms:
     """What one micro-batch costs, before dividing by a GPU's rates."""
@@ -207,13 +202,6 @@ def has_rates(gpu: GpuSpec | None) -> bool:
     return gpu is not None and gpu_rates(gpu).name == gpu.name
 
 
-def pcie_gb_s(gpu: GpuSpec | None) -> float:
-    """Effective host-device bandwidth per direction, GB/s (PCIe 4.0 x16 when the catalog does not say)."""
-    entry = gpu_catalog().get(gpu.name, {}) if gpu is not None else {}
-    gen = str(entry.get("pcie") or "4.0").split()[0]
-    return PCIE_GB_S.get(gen, PCIE_GB_S["4.0"])
-
-
 # ---- the prediction ------------------------------------------------------------------------------------------
 
 
@@ -246,11 +234,6 @@ def predict(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None,
     step = setup.grad_accum * micro + opt
     tokens = setup.grad_accum * setup.batch_size * setup.seq_len_tokens
     return SpeedPrediction(step, micro, tokens, tokens / step, secs, opt)
-
-
-def offload_transfer_s(host_bytes: int, gpu: GpuSpec | None) -> float:
-    """Seconds to move offloaded checkpoints to pinned host memory and back once, over PCIe, if not overlapped."""
-    return 2 * host_bytes / (pcie_gb_s(gpu) * 1e9)
 
 
 # ---- the fit -------------------------------------------------------------------------------------------------
