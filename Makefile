@@ -24,7 +24,15 @@ demo: install
 
 install-test: install
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q $(STACK_PINS) pytest pyyaml matplotlib
+	@# playwright: the HTML reports' browser tests drive Debian's Chromium with it (never `playwright install`);
+	@# tensorboard: the TensorBoard logger's test reads its event files back
+	$(PIP) install -q $(STACK_PINS) pytest pyyaml matplotlib playwright==1.65.2 tensorboard==2.21.0
+	@# Chromium (Debian package) when missing and we are root with apt; without it the browser tests skip, saying why.
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium (apt-get) for the browser tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "could not install chromium with apt-get: the browser tests will be skipped"; \
+	fi
 
 test: install-test
 	$(PY) -m pytest -q

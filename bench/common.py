@@ -1,4 +1,4 @@
-"""What the GPU benchmark scripts share: capping the allocator, and timing training steps under it."""
+"""What the GPU benchmark scripts share: capping the allocator, and timing training steps (the runtime's) under it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ def cap_allocator(cap: str | None, device: str) -> None:
     """Limit PyTorch's allocator to a GPU's budget (`rtx4090`, `23.4GiB`), as a smaller card would."""
     if device != "cuda" or not cap:
         return
-    import torch
-
+    from fitune.runtime.device import limit_allocator
     from fitune.specs.gpu import resolve_gpu
 
-    budget = resolve_gpu(cap).allocator_budget_bytes
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    limit_allocator(resolve_gpu(cap).allocator_budget_bytes)
 
 
 def timed_steps(run_step, steps: int, tokens_per_step: int, device: str) -> dict:
@@ -25,7 +23,7 @@ def timed_steps(run_step, steps: int, tokens_per_step: int, device: str) -> dict
     """
     import torch
 
-    from fitune.profile.oom import is_oom
+    from fitune.runtime.oom import is_oom
 
     cuda = device == "cuda"
     rec: dict = {}
@@ -61,20 +59,10 @@ def timed_steps(run_step, steps: int, tokens_per_step: int, device: str) -> dict
 
 
 def training_step(model, opt, ids, chunked_loss: bool, micro_batch_size: int | None = None) -> float:
-    """One optimizer step on `ids` (labels = inputs): transformers' loss, or fitune's chunked loss; with
-    `micro_batch_size` below the batch, gradients accumulate over micro-batches of that many rows."""
-    micro = micro_batch_size or ids.shape[0]
-    parts = ids.split(micro)
-    total = 0.0
-    for part in parts:
-        if chunked_loss:
-            from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss
+    """One optimizer step on `ids` (labels = inputs) through fitune's runtime step (`fitune train`'s):
+    transformers' loss or fitune's chunked loss; with `micro_batch_size` below the batch, gradients accumulate
+    over micro-batches of that many rows (each micro-batch's mean loss / their number)."""
+    from fitune.runtime.step import train_step
 
-            loss = causal_lm_chunked_loss(model, part, part, use_cache=False)
-        else:
-            loss = model(input_ids=part, labels=part, use_cache=False).loss
-        (loss / len(parts)).backward()
-        total += float(loss.detach()) / len(parts)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return total
+    micro = ids.split(micro_batch_size or ids.shape[0])
+    return train_step(model, opt, micro, loss="chunked" if chunked_loss else "hf").loss

@@ -19,11 +19,10 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from fitune.profile import hf_recipe  # noqa: E402
 
 QV = ["q_proj", "v_proj"]
 ALL = "all-linear"
@@ -100,6 +99,81 @@ GROUPS = {
 }
 
 
+@dataclass
+class StepPeaks:
+    """Measured CUDA allocator counters of one training step, phase by phase (bytes)."""
+
+    step: int
+    start_allocated_bytes: int
+    forward_peak_allocated_bytes: int
+    forward_peak_reserved_bytes: int
+    after_forward_allocated_bytes: int
+    backward_peak_allocated_bytes: int
+    backward_peak_reserved_bytes: int
+    after_backward_allocated_bytes: int
+    optimizer_peak_allocated_bytes: int
+    optimizer_peak_reserved_bytes: int
+    after_step_allocated_bytes: int
+    step_time_s: float
+    saved_tensor_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_recipe_steps(model, optimizer, ids, steps: int = 3, count_saved_on_last: bool = True) -> list[StepPeaks]:
+    """Run `steps` HF-recipe steps (fitune's runtime step with `recipe=True`: `model(input_ids=ids,
+    labels=ids).loss`, backward, AdamW step, zero_grad) and record the allocator counters of each phase."""
+    import contextlib
+
+    import torch
+
+    from fitune.runtime.step import count_saved_tensors, train_step
+
+    cuda = torch.cuda
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out: list[StepPeaks] = []
+    for step in range(steps):
+        counters: dict[str, int] = {}
+        saved: dict[int, int] | None = None
+        if count_saved_on_last and step == steps - 1:
+            saved = {}
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            cuda.reset_peak_memory_stats()
+            with contextlib.ExitStack() as stack:
+                if name == "forward" and saved is not None:
+                    ctx, seen = count_saved_tensors()
+                    stack.enter_context(ctx)
+                yield
+            if name == "forward" and saved is not None:
+                saved.update(seen)
+            cuda.synchronize()
+            counters[f"{name}_peak_allocated_bytes"] = cuda.max_memory_allocated()
+            counters[f"{name}_peak_reserved_bytes"] = cuda.max_memory_reserved()
+            counters[f"after_{name}_allocated_bytes"] = cuda.memory_allocated()
+
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        start = cuda.memory_allocated()
+        train_step(model, optimizer, [ids], recipe=True, phase=phase)
+        cuda.synchronize()
+        out.append(StepPeaks(
+            step=step, start_allocated_bytes=start,
+            forward_peak_allocated_bytes=counters["forward_peak_allocated_bytes"],
+            forward_peak_reserved_bytes=counters["forward_peak_reserved_bytes"],
+            after_forward_allocated_bytes=counters["after_forward_allocated_bytes"],
+            backward_peak_allocated_bytes=counters["backward_peak_allocated_bytes"],
+            backward_peak_reserved_bytes=counters["backward_peak_reserved_bytes"],
+            after_backward_allocated_bytes=counters["after_backward_allocated_bytes"],
+            optimizer_peak_allocated_bytes=counters["optimizer_peak_allocated_bytes"],
+            optimizer_peak_reserved_bytes=counters["optimizer_peak_reserved_bytes"],
+            after_step_allocated_bytes=counters["after_optimizer_allocated_bytes"],
+            step_time_s=time.perf_counter() - t0,
+            saved_tensor_bytes=None if saved is None else sum(n for p, n in saved.items() if p not in param_ptrs),
+        ))
+    return out
+
+
 def load_catalog_config(name: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     for fname in ("models.json", "models_seed.json"):
@@ -146,13 +220,15 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
               only: set[int] | None = None, snapshot_all: bool = False) -> None:
     import torch
 
+    from fitune.runtime.model import build_model, set_checkpointing, wrap_lora
+    from fitune.runtime.optim import build_optimizer
+
     model_name, method, cases = GROUPS[group]
     cfg = load_catalog_config(model_name)
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    model = hf_recipe.build_random_model(cfg, attn="sdpa")
-    if method == "qlora":
-        hf_recipe.quantize_decoder_to_nf4(model)
+    model = build_model(cfg, dtype_name="bf16", attn="sdpa", device="cuda", init="random",
+                        quantize="nf4" if method == "qlora" else None)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
@@ -173,13 +249,13 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
         peft_model = None
         try:
             model.set_attn_implementation(attn)
-            peft_model = hf_recipe.wrap_lora(model, rank, targets)
+            peft_model = wrap_lora(model, rank, targets)
             if ckpt:
-                hf_recipe.enable_checkpointing(peft_model)
+                set_checkpointing(peft_model, True)
             trainable = [p for p in peft_model.parameters() if p.requires_grad]
             record["trainable_params"] = sum(p.numel() for p in trainable)
             record["trainable_bytes"] = sum(p.numel() * p.element_size() for p in trainable)
-            opt = torch.optim.AdamW(trainable, lr=1e-4)
+            opt = build_optimizer("adamw", trainable, lr=1e-4)
             ids = torch.randint(0, vocab, (batch, seq), device="cuda")
             gc.collect()
             torch.cuda.empty_cache()
@@ -188,9 +264,9 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
             record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
             record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
             if snap and snapshot_dir:
-                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=1, count_saved_on_last=False)
+                peaks = run_recipe_steps(peft_model, opt, ids, steps=1, count_saved_on_last=False)
                 torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-                peaks += hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps - 1)
+                peaks += run_recipe_steps(peft_model, opt, ids, steps=steps - 1)
                 snapshot = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
                 path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
@@ -198,7 +274,7 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
                     json.dump(compact_snapshot(snapshot), f)
                 del snapshot
             else:
-                peaks = hf_recipe.run_recipe_steps(peft_model, opt, ids, steps=steps)
+                peaks = run_recipe_steps(peft_model, opt, ids, steps=steps)
             stats = torch.cuda.memory_stats()
             record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
             record["steps"] = [asdict(p) for p in peaks]
@@ -220,7 +296,7 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
         finally:
             if peft_model is not None:
                 if ckpt:
-                    hf_recipe.disable_checkpointing(peft_model)
+                    set_checkpointing(peft_model, False)
                 model = peft_model.unload()
                 del peft_model
             gc.collect()

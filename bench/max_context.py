@@ -7,9 +7,9 @@ either the list --seqs, or a search doubling from --start until a step runs out 
 JSON line per probe (with fitune's estimate of the same configuration), appended to --out as it ends.
 
 Stacks:
-  hf        the HF recipe with checkpointing (transformers' loss)            fitune/profile/hf_recipe.py
+  hf        the HF recipe with checkpointing (transformers' loss)            fitune/runtime/model.py
   hf_liger  the same with Liger's kernels (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE)
-  fitune    fitune's runner, prepared by fitune.train.model.prepare_for_setup: offloaded checkpoints, chunked
+  fitune    fitune's runner, prepared by fitune.runtime.model.prepare_model: offloaded checkpoints, chunked
             loss, tiled MLP, lean LoRA, lean RMSNorm, expandable segments (--no-expandable to compare)
 
     PYTHONPATH=. python3 bench/max_context.py --stack fitune --method qlora --lora-rank 32 --lora-targets all-linear \\
@@ -27,7 +27,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
-from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
 
@@ -49,25 +48,20 @@ def hf_setup(args, seq: int):
 
 
 def build(args, device):
-    import torch
+    from fitune.runtime.model import build_model, prepare_model
+    from fitune.runtime.optim import build_optimizer
 
     spec = load_model_spec(args.model)
     if args.stack == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()  # patches the Llama classes before the model is built
-    model = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=device)
-    if args.method == "qlora":
-        hf_recipe.quantize_decoder_to_nf4(model)
-    if args.stack == "fitune":
-        from fitune.train.model import prepare_for_setup
-
-        model = prepare_for_setup(model, fitune_setup(args, args.start))
-    else:
-        targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        model = hf_recipe.wrap_lora(model, args.lora_rank, targets)
-        hf_recipe.enable_checkpointing(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    model = build_model(spec, dtype_name="bf16", attn="sdpa", device=device, init="random",
+                        quantize="nf4" if args.method == "qlora" else None)
+    # fitune: its techniques; hf / hf_liger: PEFT's LoRA and transformers' checkpointing (the HF recipe)
+    setup = fitune_setup(args, args.start) if args.stack == "fitune" else hf_setup(args, args.start)
+    model = prepare_model(model, setup)
+    opt = build_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], lr=1e-5)
     return spec, model, opt
 
 
@@ -174,7 +168,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.stack == "fitune":
-        from fitune.train.model import configure_allocator
+        from fitune.runtime.device import configure_allocator
 
         print("allocator:", configure_allocator(fitune_setup(args, args.start)), flush=True)  # before CUDA starts
     cap_allocator(args.cap, args.device)

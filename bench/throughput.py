@@ -8,7 +8,7 @@ One stack per process (liger patches transformers' classes globally); each varia
 Variants:
   hf        checkpointing none | full                         (the HF recipe)
   hf_liger  checkpointing none | full, with Liger's kernels
-  fitune    fitune's runner (prepare_for_setup): chunked loss, lean LoRA, lean RMSNorm, expandable segments, with
+  fitune    fitune's runner (fitune.runtime.model.prepare_model): chunked loss, lean LoRA, lean RMSNorm, expandable segments, with
             checkpointing selective:K (K in --selective) | full. --liger: kernels: liger (Liger's RMSNorm, SwiGLU
             and RoPE) in place of the lean RMSNorm, the rest the same.
 
@@ -25,7 +25,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
-from fitune.profile import hf_recipe  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
 
@@ -42,39 +41,47 @@ def fitune_setup(args, grad_checkpointing: str, liger: bool, micro: int | None =
 
     micro = micro or args.batch_size
     return TrainSetup(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), batch_size=micro,
-                      grad_accum=args.batch_size // micro, seq_len_tokens=args.seq_len, grad_checkpointing=grad_checkpointing, loss="chunked",
+                      grad_accum=args.batch_size // micro, seq_len_tokens=args.seq_len,
+                      grad_checkpointing=grad_checkpointing, loss="chunked",
                       lean_lora=True, lean_norm=not liger, kernels="liger" if liger else "torch",
                       expandable_segments=True, stack="fitune")
+
+
+def hf_setup(args, grad_checkpointing: str):
+    """The HF recipe's setup: PEFT's LoRA r8 on q,v (alpha 16) and transformers' checkpointing, nothing else."""
+    from fitune.setup import TrainSetup
+
+    return TrainSetup(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), batch_size=args.batch_size,
+                      seq_len_tokens=args.seq_len, grad_checkpointing=grad_checkpointing, stack="hf")
 
 
 def measure(args, spec, base, variant: dict, device: str) -> dict:
     import torch
 
     from fitune.memory import estimate
-    from fitune.train.model import prepare_for_setup
+    from fitune.runtime.model import prepare_model, set_checkpointing
+    from fitune.runtime.optim import build_optimizer
 
     ckpt = variant["grad_checkpointing"]
     rec = {"stack": args.stack, "model": args.model, "cap": args.cap, "batch_size": args.batch_size,
            "seq_len_tokens": args.seq_len, **variant}
     if args.stack == "fitune":
         setup = fitune_setup(args, ckpt, args.liger, variant.get("micro_batch_size"))
-        model = prepare_for_setup(base, setup)
+        model = prepare_model(base, setup)
         est = estimate(spec, setup)
         rec.update({"kernels": "liger" if args.liger else "torch", "loss": "chunked", "lean_lora": True,
                     "lean_norm": not args.liger, "expandable_segments": True,
                     "est_peak_allocated_bytes": est.peak_allocated_bytes,
                     "est_peak_reserved_bytes": est.peak_reserved_bytes})
     else:
-        model = hf_recipe.wrap_lora(base, 8, ["q_proj", "v_proj"])
-        if ckpt != "none":
-            hf_recipe.enable_checkpointing(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        model = prepare_model(base, hf_setup(args, ckpt))
+    opt = build_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
     micro = variant.get("micro_batch_size")
     rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune", micro), args.steps,
                            args.batch_size * args.seq_len, device))
     if ckpt != "none":
-        hf_recipe.disable_checkpointing(model)
+        set_checkpointing(model, False)
     model.unload()  # back to the plain base model for the next variant
     return rec
 
@@ -93,7 +100,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.stack == "fitune":
-        from fitune.train.model import configure_allocator
+        from fitune.runtime.device import configure_allocator
 
         configure_allocator(fitune_setup(args, "full", args.liger))  # before CUDA starts
     cap_allocator(args.cap, args.device)
@@ -101,8 +108,10 @@ def main() -> int:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
+    from fitune.runtime.model import build_model
+
     spec = load_model_spec(args.model)
-    base = hf_recipe.build_random_model(spec.hf_config, attn="sdpa", device=args.device)
+    base = build_model(spec, dtype_name="bf16", attn="sdpa", device=args.device, init="random")
     selective = [int(k) for k in args.selective.split(",") if k]
     for variant in variants(args.stack, selective):
         rec = measure(args, spec, base, variant, args.device)

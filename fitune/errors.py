@@ -33,3 +33,13 @@ class UnsupportedArchitectureError(FituneError):
 
 class DoesNotFitError(FituneError):
     """Raised by callers that require a fit (plan, train); estimate itself only reports `fits`."""
+
+
+class DataError(FituneError):
+    """A data file, record or tokenizer that cannot be used: the message names the file, the line (or record) and
+    what to do. `path` and `line` (the first bad one) are kept for callers."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.line = line

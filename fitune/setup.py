@@ -1,8 +1,9 @@
 """TrainSetup: how a run trains. One dataclass shared by estimate, plan, train and profile.
 
-Its YAML form is `fitune train`'s config; the CLI flags of `fitune estimate` map one to one onto its fields
-(`--seq-len` -> `seq_len_tokens`, ...). Each default lives here and nowhere else; `validate()` lists every
-problem at once.
+Each field declares its schema (fitune/schema.py): the `fitune train` YAML key (`seq_len`, `lora.rank`), the
+flag every command accepts (`--seq-len`, `--lora-rank`), its type, choices, the spellings other trainers use for
+its values, and its help line. The keys, flags, `to_dict` / `from_dict` and `--json`'s `setup` object are all
+generated from that. Each default lives here and nowhere else; `validate()` lists every problem at once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .schema import _BAD, Key, Problems, coerce, key, keys_of, label
 
 METHODS = ("lora", "qlora", "full", "freeze")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -23,50 +25,73 @@ CHECKPOINTING = ("none", "full", "offload", "selective:K")
 ALL_LINEAR = "all-linear"
 
 
+_DTYPE_ALIASES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "torch.float16": "fp16",
+                  "half": "fp16", "float32": "fp32", "torch.float32": "fp32", "float": "fp32"}
+_ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
+                 "flash_attn": "flash", "fa2": "flash", "torch": "sdpa", "spda": "sdpa"}
+_OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                      "adamw_bnb_8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "adamw8bit": "adamw8bit",
+                      "bnb_adamw8bit": "adamw8bit", "paged_adamw_8bit": "paged_adamw8bit",
+                      "pagedadamw8bit": "paged_adamw8bit"}
+_METHOD_ALIASES = {"full_finetune": "full", "full-finetune": "full", "fft": "full", "qlora_nf4": "qlora"}
+_CKPT_ALIASES = {"true": "full", "false": "none", "off": "none", "on": "full", "unsloth": "offload",
+                 "offloaded": "offload"}
+
+
 @dataclass(frozen=True)
 class TrainSetup:
-    """A training configuration. Units are in the field names; every field has a default."""
+    """How one training step runs: shared by estimate, plan, train and profile. Units are in the field names.
 
-    method: str = "lora"
-    """lora | qlora (NF4 + double quantisation, bf16 compute) | full | freeze (train the last `freeze_trainable_layers` layers, no adapters)."""
-    lora_rank: int = 8
-    """LoRA rank r (adapter matrices are r x in and out x r)."""
-    lora_alpha: int = 16
-    """LoRA alpha (scaling = alpha / r); no effect on memory."""
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    """Module names LoRA wraps, or ("all-linear",) for every Linear of the decoder layers."""
-    dtype: str = "bf16"
-    """Compute dtype of the model weights and activations: bf16 | fp16 | fp32."""
-    grad_checkpointing: str = "none"
-    """none | full (every layer recomputed) | offload (checkpoints in pinned CPU memory) | selective:K (K of L layers)."""
-    attn: str = "sdpa"
-    """Attention implementation: sdpa (PyTorch scaled_dot_product_attention) | flash (flash-attention 2) | eager."""
-    optimizer: str = "adamw"
-    """adamw (torch, fp32 states) | adamw8bit | paged_adamw8bit (bitsandbytes) | adafactor | sgd."""
-    batch_size: int = 2
-    """Sequences per micro-batch."""
-    seq_len_tokens: int = 2048
-    """Tokens per sequence."""
-    freeze_trainable_layers: int = 2
-    """With method freeze: how many of the last decoder layers train (LLaMA-Factory's default: 2)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step (no effect on per-step activation memory)."""
-    loss: str = "hf"
-    """hf (full logits upcast to fp32, as transformers does) | chunked (logits never materialised whole)."""
-    tiled_mlp: bool = False
-    """fitune's runner: run each MLP a tile of tokens at a time (its intermediates never exist for the whole sequence)."""
-    lean_lora: bool = False
-    """fitune's runner: the LoRA branch in the activations' dtype, saving no fp32 copy of each adapter's input."""
-    lean_norm: bool = False
-    """fitune's runner: RMSNorm a tile of tokens at a time in fp32, saving only its bf16 input."""
-    kernels: str = "torch"
-    """fitune's runner: torch (transformers' modules) | liger (Liger Kernel's fused RMSNorm, SwiGLU and RoPE; a
-    CUDA GPU with liger-kernel installed)."""
-    expandable_segments: bool = False
-    """fitune's runner: PyTorch's allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF), so freed
-    blocks are not stranded between live ones."""
-    stack: str = "hf"
-    """hf (a plain transformers + PEFT script, the recipe in fitune/profile/hf_recipe.py) | fitune (fitune's runner)."""
+    Each field's YAML key, flag, type and help come from its `key(...)` metadata (fitune/schema.py)."""
+
+    method: str = key("lora", kind="choice", choices=METHODS, aliases=_METHOD_ALIASES,
+                      help="lora | qlora (NF4 base weights + LoRA) | full | freeze (train the last "
+                           "freeze_trainable_layers layers)")
+    lora_rank: int = key(8, yaml="lora.rank", flag="--lora-rank", kind="int", minimum=1, maximum=65536,
+                         help="LoRA rank r (adapter matrices are r x in and out x r)")
+    lora_alpha: int = key(16, yaml="lora.alpha", flag="--lora-alpha", kind="int", minimum=1, maximum=1 << 20,
+                          help="LoRA alpha (scaling = alpha / r; no effect on memory)")
+    lora_dropout: float = key(0.0, yaml="lora.dropout", flag="--lora-dropout", kind="float", minimum=0, maximum=0.9,
+                              help="dropout on the adapter input (PEFT's lora_dropout)")
+    lora_targets: tuple[str, ...] = key(("q_proj", "v_proj"), yaml="lora.targets", flag="--lora-targets",
+                                        kind="targets", metavar="q_proj,v_proj|all-linear",
+                                        help="modules LoRA wraps (comma-separated), or all-linear")
+    dtype: str = key("bf16", kind="choice", choices=DTYPES, aliases=_DTYPE_ALIASES,
+                     help="dtype of the weights and activations: bf16 | fp16 | fp32")
+    grad_checkpointing: str = key("none", kind="checkpointing", choices=("none", "full", "offload"),
+                                  aliases=_CKPT_ALIASES, metavar="none|full|offload|selective:K",
+                                  help="activation checkpointing: none, full (every layer recomputed), offload "
+                                       "(checkpoints in pinned CPU memory), selective:K (the first K layers); "
+                                       "true/false mean full/none")
+    attn: str = key("sdpa", kind="choice", choices=ATTNS, aliases=_ATTN_ALIASES,
+                    help="attention: sdpa (torch scaled_dot_product_attention) | flash (flash-attention 2) | eager")
+    optimizer: str = key("adamw", kind="choice", choices=OPTIMIZERS, aliases=_OPTIMIZER_ALIASES,
+                         help="adamw (fp32 states) | adamw8bit | paged_adamw8bit (bitsandbytes) | adafactor | sgd")
+    batch_size: int = key(2, kind="int", minimum=1, maximum=65536, help="sequences per micro-batch")
+    seq_len_tokens: int = key(2048, yaml="seq_len", flag="--seq-len", kind="int", minimum=1, maximum=1 << 24,
+                              unit="tokens", help="tokens per sequence")
+    freeze_trainable_layers: int = key(2, kind="int", minimum=1, maximum=100000,
+                                       help="with method freeze: how many of the last decoder layers train")
+    grad_accum: int = key(1, kind="int", minimum=1, maximum=1 << 20,
+                          help="micro-batches per optimizer step (no effect on activation memory)")
+    loss: str = key("hf", kind="choice", choices=LOSSES,
+                    help="hf (full logits upcast to fp32, as transformers does) | chunked (fitune's runner: the "
+                         "logits never exist whole)")
+    tiled_mlp: bool = key(False, kind="bool", help="fitune's runner: run each MLP a tile of tokens at a time")
+    lean_lora: bool = key(False, kind="bool", help="fitune's runner: the LoRA branch in the activations' dtype "
+                                                   "(no fp32 copy of each adapter input)")
+    lean_norm: bool = key(False, kind="bool", help="fitune's runner: RMSNorm in fp32 tiles, saving only its "
+                                                   "bf16 input")
+    kernels: str = key("torch", kind="choice", choices=KERNELS, aliases={"liger-kernel": "liger", "liger_kernel": "liger"},
+                       help="fitune's runner: torch (transformers' modules) | liger (Liger Kernel's RMSNorm, SwiGLU "
+                            "and RoPE; a CUDA GPU)")
+    expandable_segments: bool = key(False, kind="bool", help="fitune's runner: PyTorch's allocator with expandable "
+                                                             "segments (little fragmentation)")
+    keep_outputs: bool = key(False, kind="bool",
+                             help="the step keeps the model output (and its logits) alive through backward, as "
+                                  "`out = model(**batch); out.loss.backward()` does")
+    stack: str = key("hf", kind="choice", choices=STACKS,
+                     help="hf (a plain transformers + PEFT script) | fitune (fitune's runner and its techniques)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -90,66 +115,106 @@ class TrainSetup:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["lora_targets"] = list(self.lora_targets)
-        return d
+        """Every field by its name (the `setup` object of every `--json` output); tuples as lists."""
+        return {k.field: (list(v) if isinstance(v := getattr(self, k.field), tuple) else v) for k in SETUP_KEYS}
+
+    @classmethod
+    def from_dict(cls, d: dict, *, strict: bool = True) -> "TrainSetup":
+        """The inverse of `to_dict` (field names). `strict=False` ignores keys that are no field (a bench record's
+        measurements beside its setup) and leaves absent fields at their defaults."""
+        fields = {k.field: k for k in SETUP_KEYS}
+        problems = Problems()
+        values = {}
+        for name, value in d.items():
+            k = fields.get(name)
+            if k is None:
+                if strict:
+                    problems.add(f"setup.{name}: not a TrainSetup field (known: {', '.join(fields)})")
+                continue
+            v = coerce(k, value, "json", problems)
+            if v is not _BAD:
+                values[name] = v
+        problems.raise_if_any()
+        return cls(**values)
 
     def validate(self, num_layers: int | None = None, hidden_size: int | None = None,
-                 linear_names: list[str] | None = None) -> "TrainSetup":
-        """Check every field; raise one ConfigError listing all problems. Model-dependent checks when sizes given."""
+                 linear_names: list[str] | None = None, origin: dict[str, str] | None = None) -> "TrainSetup":
+        """Check every field; raise one ConfigError listing all problems. Model-dependent checks when sizes given.
+
+        `origin` says where each field's value came from ("flag" or "yaml"; default: flag), so that a problem
+        names `--lora-rank` on the command line and `lora.rank:` in a config file."""
         problems: list[str] = []
+        by_field = {k.field: k for k in SETUP_KEYS}
 
-        def one_of(flag: str, value, allowed):
+        def name(f: str) -> str:
+            return label(by_field[f], (origin or {}).get(f, "flag"))
+
+        def one_of(f: str, value, allowed):
             if value not in allowed:
-                problems.append(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
+                problems.append(f"{name(f)} {value!r} is not one of: {', '.join(allowed)}")
 
-        one_of("--method", self.method, METHODS)
-        one_of("--dtype", self.dtype, DTYPES)
-        one_of("--attn", self.attn, ATTNS)
-        one_of("--optimizer", self.optimizer, OPTIMIZERS)
-        one_of("--loss", self.loss, LOSSES)
-        one_of("--stack", self.stack, STACKS)
-        for flag, value in (("--batch-size", self.batch_size), ("--seq-len", self.seq_len_tokens),
-                            ("--grad-accum", self.grad_accum)):
+        one_of("method", self.method, METHODS)
+        one_of("dtype", self.dtype, DTYPES)
+        one_of("attn", self.attn, ATTNS)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("loss", self.loss, LOSSES)
+        one_of("stack", self.stack, STACKS)
+        for f in ("batch_size", "seq_len_tokens", "grad_accum", "freeze_trainable_layers"):
+            value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"{flag} must be a positive integer, got {value!r}")
+                problems.append(f"{name(f)} must be a positive integer, got {value!r}")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
+            problems.append(f"{name('lora_dropout')} must be at least 0 and below 1, got {self.lora_dropout!r}")
+        if (self.method == "freeze" and num_layers is not None and isinstance(self.freeze_trainable_layers, int)
+                and self.freeze_trainable_layers > num_layers):
+            problems.append(f"{name('freeze_trainable_layers')} {self.freeze_trainable_layers} is more than the "
+                            f"model's {num_layers} layers (use method full to train them all)")
         mode = self.checkpointed_layers_mode
         if mode not in ("none", "full", "offload", "selective"):
-            problems.append(f"--grad-checkpointing {self.grad_checkpointing!r} is not one of: {', '.join(CHECKPOINTING)}")
+            problems.append(f"{name('grad_checkpointing')} {self.grad_checkpointing!r} is not one of: "
+                            f"{', '.join(CHECKPOINTING)}")
         elif mode == "selective":
             k_text = self.grad_checkpointing.split(":", 1)[1] if ":" in self.grad_checkpointing else ""
             if not k_text.isdigit():
-                problems.append(f"--grad-checkpointing {self.grad_checkpointing!r}: write selective:K with K a whole number of layers, e.g. selective:16")
+                problems.append(f"{name('grad_checkpointing')} {self.grad_checkpointing!r}: write selective:K with K a "
+                                "whole number of layers, e.g. selective:16")
             elif num_layers is not None and not 0 <= int(k_text) <= num_layers:
-                problems.append(f"--grad-checkpointing {self.grad_checkpointing!r}: K must be between 0 and the model's {num_layers} layers")
+                problems.append(f"{name('grad_checkpointing')} {self.grad_checkpointing!r}: K must be between 0 and "
+                                f"the model's {num_layers} layers")
         if self.method in ("lora", "qlora"):
             if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
-                problems.append(f"--lora-rank must be a positive integer, got {self.lora_rank!r}")
+                problems.append(f"{name('lora_rank')} must be a positive integer, got {self.lora_rank!r}")
             elif hidden_size is not None and self.lora_rank > hidden_size:
-                problems.append(f"--lora-rank {self.lora_rank} is above the model's hidden size {hidden_size}; a LoRA rank is a small number (8-128)")
+                problems.append(f"{name('lora_rank')} {self.lora_rank} is above the model's hidden size {hidden_size}; "
+                                "a LoRA rank is a small number (8-128)")
             if not self.lora_targets:
-                problems.append("--lora-targets is empty; name modules (q_proj,v_proj) or use all-linear")
+                problems.append(f"{name('lora_targets')} is empty; name modules (q_proj,v_proj) or use all-linear")
             elif linear_names is not None and not self.all_linear:
                 unknown = [t for t in self.lora_targets if t not in linear_names]
                 if unknown:
-                    problems.append(f"--lora-targets {','.join(unknown)}: not a Linear of this model; it has {', '.join(linear_names)} (or use all-linear)")
+                    problems.append(f"{name('lora_targets')} {','.join(unknown)}: not a Linear of this model; it has "
+                                    f"{', '.join(linear_names)} (or use all-linear)")
         if self.loss == "chunked" and self.stack == "hf":
-            problems.append("--loss chunked is a technique of fitune's runner; a plain transformers script computes "
-                            "full logits: use --stack fitune with it (or --loss hf)")
-        for flag, on in (("--tiled-mlp", self.tiled_mlp), ("--lean-lora", self.lean_lora),
-                         ("--lean-norm", self.lean_norm), ("--expandable-segments", self.expandable_segments)):
-            if on and self.stack == "hf":
-                problems.append(f"{flag} is a technique of fitune's runner: use --stack fitune with it")
-        one_of("--kernels", self.kernels, KERNELS)
+            problems.append(f"{name('loss')} chunked is a technique of fitune's runner; a plain transformers script "
+                            f"computes full logits: use {name('stack')} fitune with it (or {name('loss')} hf)")
+        for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments"):
+            if getattr(self, f) and self.stack == "hf":
+                problems.append(f"{name(f)} is a technique of fitune's runner: use {name('stack')} fitune with it")
+        one_of("kernels", self.kernels, KERNELS)
         if self.kernels == "liger" and self.stack == "hf":
-            problems.append("--kernels liger is a technique of fitune's runner: use --stack fitune with it")
+            problems.append(f"{name('kernels')} liger is a technique of fitune's runner: use {name('stack')} fitune "
+                            "with it")
         if self.kernels == "liger" and self.lean_norm:
-            problems.append("--kernels liger and --lean-norm both replace RMSNorm: keep one (Liger's is faster, "
-                            "the lean one works without a GPU)")
+            problems.append(f"{name('kernels')} liger and {name('lean_norm')} both replace RMSNorm: keep one "
+                            "(Liger's is faster, the lean one works without a GPU)")
+        if self.keep_outputs and self.stack == "fitune":
+            problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
+                            f"model output: use {name('stack')} hf with it")
         if self.lean_lora and self.method not in ("lora", "qlora"):
-            problems.append(f"--lean-lora applies to LoRA adapters; --method {self.method} has none")
+            problems.append(f"{name('lean_lora')} applies to LoRA adapters; {name('method')} {self.method} has none")
         if self.method == "qlora" and self.dtype == "fp32":
-            problems.append("--method qlora computes in bf16/fp16; --dtype fp32 does not apply (use --dtype bf16)")
+            problems.append(f"{name('method')} qlora computes in bf16/fp16; {name('dtype')} fp32 does not apply "
+                            "(use bf16)")
         if problems:
             raise ConfigError(problems)
         return self
@@ -166,54 +231,5 @@ def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 DEFAULT_SETUP = TrainSetup()
 
-
-#: `fitune train` config keys that map onto TrainSetup fields (YAML name -> field).
-_YAML_FIELDS = {
-    "method": "method", "dtype": "dtype", "grad_checkpointing": "grad_checkpointing", "attn": "attn",
-    "optimizer": "optimizer", "batch_size": "batch_size", "seq_len": "seq_len_tokens", "grad_accum": "grad_accum",
-    "loss": "loss", "stack": "stack", "freeze_trainable_layers": "freeze_trainable_layers", "tiled_mlp": "tiled_mlp",
-    "lean_lora": "lean_lora", "lean_norm": "lean_norm", "expandable_segments": "expandable_segments",
-    "kernels": "kernels",
-}
-
-
-def setup_from_config(doc: dict, source: str = "config") -> tuple[str | None, TrainSetup]:
-    """(model, TrainSetup) from a `fitune train` config mapping; unknown TrainSetup keys are left to the caller."""
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{source}: expected a mapping of keys (model:, method:, lora:, seq_len: ...)")
-    kwargs = {field_name: doc[key] for key, field_name in _YAML_FIELDS.items() if key in doc}
-    lora = doc.get("lora") or {}
-    if not isinstance(lora, dict):
-        raise ConfigError(f"{source}: `lora` must be a mapping like {{rank: 8, alpha: 16, targets: [q_proj, v_proj]}}")
-    if "rank" in lora:
-        kwargs["lora_rank"] = lora["rank"]
-    if "alpha" in lora:
-        kwargs["lora_alpha"] = lora["alpha"]
-    if "targets" in lora:
-        kwargs["lora_targets"] = parse_targets(lora["targets"])
-    return doc.get("model"), TrainSetup(**kwargs)
-
-
-def load_config_file(path: str) -> dict:
-    """Read a YAML (or JSON) config file into a mapping, with a clear error for a missing file or bad syntax."""
-    import os
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        import json
-
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ConfigError("reading a YAML config needs PyYAML: pip install pyyaml") from exc
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+#: The schema of every TrainSetup field (YAML key, flag, kind, help): fitune/schema.py.
+SETUP_KEYS: list[Key] = keys_of(TrainSetup)

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fitune.train.techniques.chunked_loss import causal_lm_chunked_loss, chunked_linear_cross_entropy  # noqa: E402
+from fitune.runtime.techniques.chunked_loss import causal_lm_chunked_loss, chunked_linear_cross_entropy  # noqa: E402
 
 
 def _reference(hidden, weight, labels, num_items, softcap=None):
@@ -47,7 +47,7 @@ def test_forward_and_gradients_match(dtype, tol, softcap, train_weight):
 def test_whole_model_loss_and_lora_gradients_match_transformers():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from fitune.profile.hf_recipe import wrap_lora
+    from fitune.runtime.model import wrap_lora
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -57,7 +57,7 @@ def test_qlora_fits_and_breakdown_adds_up(capsys):
     (["estimate", "llama-3.1-8b", "--seq-len", "0"], "--seq-len must be a positive integer, got 0"),
     (["estimate", "llama-3.1-8b", "--lora-rank", "5000"], "above the model's hidden size 4096"),
     (["estimate", "llama-3.1-8b", "--gpu", "rtx4090x"], "not a known GPU"),
-    (["estimate", "llama-3.1-8b", "--method", "lorax", "--optimizer", "adam"], "2 problems"),
+    (["estimate", "llama-3.1-8b", "--method", "lorax", "--optimizer", "lion"], "2 problems"),
     (["estimate", "llama-3.1-8b", "--lora-targets", "q,v"], "not a Linear of this model"),
     (["estimate", "llama-3.1-8b", "--grad-checkpointing", "selective:x"], "selective:K"),
     (["estimate"], "MODEL is missing"),

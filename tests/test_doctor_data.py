@@ -1,5 +1,8 @@
 """`fitune doctor --data`: token lengths, padding waste, truncation and bad records, on files the tests write, with a
-word-level tokenizer built in tmp_path (one token per word, no special tokens: counts are exact)."""
+word-level tokenizer built in tmp_path (one token per word, no special prefix: counts are exact).
+
+The scan encodes records as `fitune train` does (fitune.data), so text and completion records end with the eos
+token: a text of n words is n + 1 tokens."""
 
 import json
 import re
@@ -7,7 +10,8 @@ import re
 import pytest
 
 from fitune.cli.main import main
-from fitune.doctor.data import padding_costs, scan_data
+from fitune.data import padding_costs
+from fitune.doctor.data import scan_data
 from fitune.doctor.findings import DataError
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -43,7 +47,7 @@ def write_jsonl(path, records) -> str:
 
 
 def test_lengths_padding_and_truncation_are_exact(tmp_path, tokenizer):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"text": words(n)} for n in (2, 4, 6, 8, 10)])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": words(n - 1)} for n in (2, 4, 6, 8, 10)])  # + eos
     rep = scan_data(data, tokenizer, seq_len_tokens=8, batch_size=2)
     assert rep.format == "text" and rep.lengths_tokens == (2, 4, 6, 8, 10)
     # truncated at 8: 2 4 6 8 8 = 28 real tokens
@@ -69,23 +73,25 @@ def test_bad_records_are_reported_by_line_and_the_rest_is_scanned(tmp_path, toke
     with open(path, "ab") as f:
         f.write(b'{"text": "a \xff b"}\n')
     rep = scan_data(str(path), tokenizer, seq_len_tokens=8)
-    assert rep.lengths_tokens == (3, 5)
+    assert rep.lengths_tokens == (4, 6)  # 3 and 5 words, + eos
     assert [(f.rule, f.line, f.severity) for f in rep.findings] == [
         ("data-empty-record", 2, "warning"), ("data-bad-json", 3, "error"), ("data-malformed", 4, "error"),
         ("data-not-utf8", 6, "error")]
-    assert "line 3 is not valid JSON" in rep.findings[1].message
-    assert "byte 0xff" in rep.findings[3].message
+    assert "line 3: not valid JSON" in rep.findings[1].message
+    assert "0xff at byte" in rep.findings[3].message
+    assert "line 4: missing field 'text'" in rep.findings[2].message
+    assert rep.dropped_lines == (2,) and "fitune train drops it" in rep.findings[0].message
 
 
 def test_chat_records_use_the_chat_template_when_there_is_one(tmp_path):
     conv = {"messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c"}]}
     data = write_jsonl(tmp_path / "chat.jsonl", [conv])
     with_template = scan_data(data, make_tokenizer(tmp_path / "t1", CHAT_TEMPLATE))
-    plain = scan_data(data, make_tokenizer(tmp_path / "t2"))
-    # "<user> a b <assistant> c ": < user > a b < assistant > c = 9 words and marks
+    # "<user> a b <assistant> c ": < user > a b < assistant > c = 9 words and marks (the template ends the turn)
     assert with_template.chat_template and with_template.lengths_tokens == (9,)
-    # "user: a b\nassistant: c": user : a b assistant : c = 7
-    assert not plain.chat_template and plain.lengths_tokens == (7,)
+    # without a template fitune train cannot render a chat, so neither does the doctor: it says so, as training does
+    with pytest.raises(DataError, match="format chat renders conversations with the tokenizer's chat template"):
+        scan_data(data, make_tokenizer(tmp_path / "t2"))
 
 
 def test_completion_records_and_json_lists_with_line_numbers(tmp_path, tokenizer):
@@ -93,12 +99,14 @@ def test_completion_records_and_json_lists_with_line_numbers(tmp_path, tokenizer
     path.write_text('[\n  {"prompt": "a b", "completion": "c"},\n  {"prompt": "a", "completion": ""}\n]\n',
                     encoding="utf-8")
     rep = scan_data(str(path), tokenizer, seq_len_tokens=4)
-    assert rep.format == "completion" and rep.lengths_tokens == (3,)
-    assert [(f.rule, f.line) for f in rep.findings] == [("data-empty-record", 3)]
+    assert rep.format == "completion" and rep.lengths_tokens == (4,)  # a b c + eos
+    # .json records are numbered by their index in the list (as fitune train's errors number them)
+    assert [(f.rule, f.line) for f in rep.findings] == [("data-empty-record", 2)]
+    assert rep.findings[0].message.startswith("record 2: no token to train on (the completion is empty)")
 
 
 def test_padding_waste_is_an_info_finding(tmp_path, tokenizer):
-    data = write_jsonl(tmp_path / "short.jsonl", [{"text": words(4)}] * 10)
+    data = write_jsonl(tmp_path / "short.jsonl", [{"text": words(3)}] * 10)  # 4 tokens with eos
     rep = scan_data(data, tokenizer, seq_len_tokens=64)
     (f,) = rep.findings
     assert f.rule == "data-padding-waste" and f.severity == "info" and "93.8 %" in f.message  # 1 - 40/640
@@ -107,11 +115,11 @@ def test_padding_waste_is_an_info_finding(tmp_path, tokenizer):
 @pytest.mark.parametrize("content, message", [
     (b"", "is empty"),
     (b"\n\n", "is empty"),
-    (b'{"foo": 1}\n', "no record has 'messages' (chat), 'prompt' + 'completion', or 'text'"),
-    (b'{oops\n{"text": \n', "no line is a valid JSON record (2 bad lines; first: line 1 is not valid JSON"),
-    (b'[{"text": "a"},\n {"text": "b" \n]', "is not valid JSON: Expecting ',' delimiter at line 3"),
-    (b'[{"text": "a"} {"text": "b"}]', "is not valid JSON: expected ',' or ']' at line 1"),
-    (b'[{"text": "a"},\n {"text": "\xff"}]', "is not UTF-8 text (line 2, byte 0xff)"),
+    (b'{"foo": 1}\n', "no record has a known format; keys found: ['foo']. fitune reads chat"),
+    (b'{oops\n{"text": \n', "d.jsonl: 2 bad records; fix or delete them:\n  line 1: not valid JSON"),
+    (b'[{"text": "a"},\n {"text": "b" \n]', "d.json, line 3: not valid JSON: Expecting ',' delimiter"),
+    (b'[{"text": "a"} {"text": "b"}]', "d.json, line 1: not valid JSON: Expecting ',' delimiter"),
+    (b'[{"text": "a"},\n {"text": "\xff"}]', "d.json, line 2: bytes that are not UTF-8 (0xff"),
 ])
 def test_unusable_files_raise_a_clear_error(tmp_path, tokenizer, content, message):
     path = tmp_path / ("d.json" if content.startswith(b"[") else "d.jsonl")
@@ -122,7 +130,7 @@ def test_unusable_files_raise_a_clear_error(tmp_path, tokenizer, content, messag
 
 # ---- the command line ------------------------------------------------------------------------------------------
 def test_cli_prints_histogram_and_padding(tmp_path, tokenizer, capsys):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"text": words(n)} for n in (10, 20, 40, 80, 300)])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": words(n - 1)} for n in (10, 20, 40, 80, 300)])  # + eos
     assert main(["doctor", "--data", data, "--tokenizer", tokenizer, "--seq-len", "256"]) == 0
     out = capsys.readouterr().out
     assert f"{data}: 5 text records, seq len 256, batch 8" in out

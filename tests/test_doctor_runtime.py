@@ -205,8 +205,8 @@ def test_allocator_retries_and_peaks_above_the_estimate():
     assert any("(estimate " in line for line in mon.summary_lines())
 
 
-def test_oom_post_mortem_falls_back_without_fitune_profile(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "fitune.profile.oom", None)  # import fails: the fallback path
+def test_oom_post_mortem_falls_back_without_the_runtime_post_mortem(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "fitune.runtime.oom", None)  # import fails: the fallback path
     mon = RunMonitor(torch.nn.Linear(2, 2), memory_probe=lambda p: None)
     mon.step_begin()
     with pytest.raises(torch.OutOfMemoryError), caplog.at_level(logging.WARNING):
@@ -217,12 +217,12 @@ def test_oom_post_mortem_falls_back_without_fitune_profile(monkeypatch, caplog):
     assert "Tried to allocate 2.00 GiB" in f.evidence and "did not run here" in f.evidence
 
 
-def test_oom_post_mortem_uses_fitune_profile_when_present(monkeypatch):
+def test_oom_post_mortem_uses_the_runtime_post_mortem_when_present(monkeypatch):
     calls = []
-    fake = types.ModuleType("fitune.profile.oom")
+    fake = types.ModuleType("fitune.runtime.oom")
     fake.report_oom = lambda exc, **kw: calls.append((exc, kw)) or "REPORT"
     fake.format_report = lambda rep: f"formatted {rep}"
-    monkeypatch.setitem(sys.modules, "fitune.profile.oom", fake)
+    monkeypatch.setitem(sys.modules, "fitune.runtime.oom", fake)
     mon = RunMonitor(torch.nn.Linear(2, 2), memory_probe=lambda p: None)
     with pytest.raises(torch.OutOfMemoryError):
         with mon.watch():

@@ -133,8 +133,13 @@ def test_reentrant_checkpoint_with_frozen_inputs_gives_no_gradient():
 
 # ---- the command line ------------------------------------------------------------------------------------------
 def test_json_keys_are_stable(capsys):
+    from fitune.cli.doctor import SCRIPT_JSON_KEYS
+
     assert main(["doctor", fixture("fp16-instead-of-bf16.py"), "--json"]) == 0  # warnings only
-    doc = json.loads(capsys.readouterr().out)
+    top = json.loads(capsys.readouterr().out)
+    assert tuple(top) == SCRIPT_JSON_KEYS == ("script", "gpu", "setup", "estimate", "tokens_per_s", "fixes", "plan",
+                                             "findings")
+    doc = top["findings"]
     assert isinstance(doc, list) and len(doc) == 8
     assert all(tuple(d) == JSON_KEYS for d in doc)
     assert JSON_KEYS == ("rule", "line", "severity", "message", "fix", "evidence", "claims")
@@ -145,7 +150,7 @@ def test_json_keys_are_stable(capsys):
 def test_error_findings_exit_1_and_print_blocks_sorted_by_line(capsys):
     assert main(["doctor", fixture("checkpoint-reentrant.py")]) == 1
     out = capsys.readouterr().out
-    assert out.startswith(f"{fixture('checkpoint-reentrant.py')}: 3 findings (2 errors, 1 warning)")
+    assert f"\n{fixture('checkpoint-reentrant.py')}: 3 findings (2 errors, 1 warning)\n" in out
     heads = re.findall(r"^\S+:(\d+): (error|warning|info) \[([a-z0-9-]+)\]", out, re.M)
     assert [(int(n), s, r) for n, s, r in heads] == [(10, "warning", "checkpoint-reentrant"),
                                                      (17, "error", "checkpoint-reentrant"),
@@ -157,7 +162,7 @@ def test_clean_script_exits_0(capsys):
     assert main(["doctor", fixture("clean_trainer.py")]) == 0
     assert f"no findings ({len(ALL_RULES)} rules checked)" in capsys.readouterr().out
     assert main(["doctor", fixture("clean_trainer.py"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+    assert json.loads(capsys.readouterr().out)["findings"] == []
 
 
 def test_list_rules(capsys):

@@ -102,7 +102,7 @@ def test_the_plans_top_pick_ran_as_predicted():
 
     from fitune.memory import estimate
     from fitune.plan import throughput
-    from fitune.setup import setup_from_config
+    from fitune.config import setup_from_config
     from fitune.specs.gpu import resolve_gpu
     from fitune.specs.model import load_model_spec
 

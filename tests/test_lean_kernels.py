@@ -8,9 +8,9 @@ pytest.importorskip("peft")
 
 from tiny import init_lora_b, loss_and_grads  # noqa: E402
 
-from fitune.profile.hf_recipe import enable_checkpointing, wrap_lora  # noqa: E402
-from fitune.train.techniques.lean_lora import enable_lean_lora  # noqa: E402
-from fitune.train.techniques.lean_norm import enable_lean_norm, is_llama_rms_norm  # noqa: E402
+from fitune.runtime.model import enable_checkpointing, wrap_lora  # noqa: E402
+from fitune.runtime.techniques.lean_lora import enable_lean_lora  # noqa: E402
+from fitune.runtime.techniques.lean_norm import enable_lean_norm, is_llama_rms_norm  # noqa: E402
 
 CFG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=200)
@@ -130,7 +130,7 @@ def test_lean_lora_keeps_peft_forward_when_adapters_are_disabled():
 def test_liger_kernels_explain_what_they_need():
     from fitune.errors import ConfigError
     from fitune.setup import TrainSetup
-    from fitune.train.techniques.fused_kernels import enable_liger_kernels
+    from fitune.runtime.techniques.fused_kernels import enable_liger_kernels
 
     with pytest.raises(ConfigError, match="liger"):
         enable_liger_kernels(_model(None))  # no liger-kernel here, or no CUDA GPU: both say what to do
@@ -144,7 +144,7 @@ def test_liger_kernels_explain_what_they_need():
 
 def test_configure_allocator_sets_what_the_setup_needs(monkeypatch):
     from fitune.setup import TrainSetup
-    from fitune.train.model import EXACT_PINNED_ABOVE_MB, configure_allocator, exact_pinned_supported
+    from fitune.runtime.device import EXACT_PINNED_ABOVE_MB, configure_allocator, exact_pinned_supported
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert configure_allocator(TrainSetup()) == {}

@@ -6,8 +6,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fitune.profile.hf_recipe import enable_checkpointing, wrap_lora  # noqa: E402
-from fitune.train.techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing  # noqa: E402
+from fitune.runtime.model import enable_checkpointing, wrap_lora  # noqa: E402
+from fitune.runtime.techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing  # noqa: E402
 
 
 def _model(seed=0):

@@ -147,7 +147,7 @@ def test_seeds_case_explains_the_options_that_do_not_fit():
     result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2,
                               methods=("lora", "qlora", "full"), losses=("hf",)))
     messages = "\n".join(r.message for r in result.rejected)
-    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.96 GiB > 23.40 GiB" in messages
+    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.97 GiB > 23.40 GiB" in messages
     assert any(r.option == "full fine-tune" and r.reason == "over_budget" for r in result.rejected)
     full = next(r for r in result.rejected if r.option == "full fine-tune")
     assert full.peak_allocated_bytes > full.budget_bytes and "GiB > 23.40 GiB budget" in full.message
@@ -307,7 +307,7 @@ def _model_folder(tmp_path, name="llama-3.2-1b"):
 def test_written_plan_passes_fitune_train_validation_as_is(tmp_path, monkeypatch, capsys):
     """A model folder and the data file in place: the YAML `--write` saves is a valid `fitune train` config."""
     yaml = pytest.importorskip("yaml")
-    from fitune.train.config import config_from_dict
+    from fitune.config import config_from_dict
 
     monkeypatch.chdir(tmp_path)
     folder = _model_folder(tmp_path)
@@ -328,7 +328,7 @@ def test_written_plan_passes_fitune_train_validation_as_is(tmp_path, monkeypatch
 def test_written_plan_for_a_catalog_model(tmp_path, monkeypatch, capsys):
     """A catalog name: the YAML says to point `model:` at a folder; with `init: random` + `tokenizer:` it is valid."""
     yaml = pytest.importorskip("yaml")
-    from fitune.train.config import config_from_dict
+    from fitune.config import config_from_dict
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')

@@ -103,12 +103,12 @@ def test_oom_report_lets_other_errors_through():
 
 
 def test_tracker_post_mortem_names_categories(tmp_path):
-    from fitune.profile.oom import build_report
     from fitune.profile.tracker import MemoryTracker
-    from fitune.profile import hf_recipe
+    from fitune.runtime.model import build_model, wrap_lora
+    from fitune.runtime.oom import build_report
 
     spec = load_model_spec(_config(tmp_path))
-    model = hf_recipe.wrap_lora(hf_recipe.build_random_model(spec.hf_config, device="cpu"), 8, ["q_proj", "v_proj"])
+    model = wrap_lora(build_model(spec, device="cpu", init="random"), 8, ["q_proj", "v_proj"])
     ids = torch.randint(0, 1000, (2, 64))
     tracker = MemoryTracker(model, cap_bytes=2 * 2**20)
     with pytest.raises(torch.OutOfMemoryError) as info:

@@ -28,6 +28,7 @@ def test_estimate_imports_no_torch():
 
 
 def test_importing_fitune_runs_nothing():
-    code = "import sys, fitune, fitune.memory, fitune.trace, fitune.profile.hf_recipe; print('torch' in sys.modules)"
+    code = ("import sys, fitune, fitune.memory, fitune.trace, fitune.runtime, fitune.runtime.device, fitune.runtime.oom, "
+            "fitune.runtime.optim; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

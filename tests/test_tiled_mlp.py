@@ -8,8 +8,8 @@ pytest.importorskip("peft")
 
 from tiny import init_lora_b, loss_and_grads  # noqa: E402
 
-from fitune.profile.hf_recipe import enable_checkpointing, wrap_lora  # noqa: E402
-from fitune.train.techniques.tiled_mlp import enable_tiled_mlp  # noqa: E402
+from fitune.runtime.model import enable_checkpointing, wrap_lora  # noqa: E402
+from fitune.runtime.techniques.tiled_mlp import enable_tiled_mlp  # noqa: E402
 
 
 def _model(targets):
@@ -43,7 +43,7 @@ def test_the_estimator_models_the_runners_tile_and_chunk():
     import importlib
 
     from fitune.memory import loss as loss_terms
-    from fitune.train.techniques import chunked_loss, tiled_mlp
+    from fitune.runtime.techniques import chunked_loss, tiled_mlp
 
     est = importlib.import_module("fitune.memory.estimate")  # the module, not the function of the same name
     assert est.TILE_TOKENS == tiled_mlp.TILE_TOKENS

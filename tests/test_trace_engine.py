@@ -2,7 +2,7 @@
 
 The reference for every tiny model is the recipe run for real (real small tensors on the CPU), measured
 independently of the engine: parameter / gradient / optimizer-state storages read off the objects,
-saved activations with `hf_recipe.count_saved_tensors` (the GPU bench's counter), and live bytes after
+saved activations with `fitune.runtime.step.count_saved_tensors` (the GPU bench's counter), and live bytes after
 the forward with a small dispatch-mode tracker written here.
 """
 
@@ -25,8 +25,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fitune.profile import hf_recipe  # noqa: E402
-from fitune.trace import TraceUnsupportedError, trace_training_step  # noqa: E402
+from fitune.errors import ConfigError, FituneError, UnknownModelError  # noqa: E402
+from fitune.runtime import model as recipe  # noqa: E402  (the HF recipe: build, LoRA, checkpointing)
+from fitune.runtime.step import count_saved_tensors  # noqa: E402
+from fitune.setup import TrainSetup, parse_targets  # noqa: E402
+from fitune.trace import TraceModelError, TraceUnsupportedError, trace_training_step  # noqa: E402
 from fitune.trace.configs import PHI3_MINI_4K_INSTRUCT  # noqa: E402
 from fitune.trace.engine import _trace  # noqa: E402
 
@@ -108,14 +111,14 @@ def real_recipe(cfg, *, method="lora", rank=8, targets=QV, batch=2, seq=32, ckpt
                 dtype="bf16", steps=2):
     """The HF recipe for real on the CPU; returns what the engine should report."""
     torch.manual_seed(0)
-    model = hf_recipe.build_random_model(cfg, attn=attn, device="cpu", dtype_name=dtype)
+    model = recipe.build_random_model(cfg, attn=attn, device="cpu", dtype_name=dtype)
     if method == "lora":
-        model = hf_recipe.wrap_lora(model, rank, targets)
+        model = recipe.wrap_lora(model, rank, targets)
     else:
         for p in model.parameters():
             p.requires_grad_(True)
     if ckpt:
-        hf_recipe.enable_checkpointing(model)
+        recipe.enable_checkpointing(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
@@ -125,7 +128,7 @@ def real_recipe(cfg, *, method="lora", rank=8, targets=QV, batch=2, seq=32, ckpt
     for step in range(steps):
         last = step == steps - 1
         if last:
-            ctx, seen = hf_recipe.count_saved_tensors()
+            ctx, seen = count_saved_tensors()
             live = _LiveStorages()
             with live, ctx:
                 loss = model(input_ids=ids, labels=ids).loss
@@ -147,18 +150,20 @@ def real_recipe(cfg, *, method="lora", rank=8, targets=QV, batch=2, seq=32, ckpt
     return out
 
 
-def _kw(family, **over):
+def _setup(family, **over) -> TrainSetup:
+    """The tests' setup: LoRA r8 on q_proj,v_proj (phi3: qkv_proj,o_proj), 2 x 32 tokens, bf16, sdpa, AdamW."""
     kw = dict(method="lora", lora_rank=8, lora_targets=TARGETS.get(family, QV), batch_size=2, seq_len_tokens=32,
-              grad_checkpointing="none", attn="sdpa", dtype="bf16", optimizer="adamw", steps=2)
+              grad_checkpointing="none", attn="sdpa", dtype="bf16", optimizer="adamw")
     kw.update(over)
-    return kw
+    kw["lora_targets"] = parse_targets(kw["lora_targets"])
+    return TrainSetup(**kw)
 
 
-def _real_for(family, kw):
+def _real_for(family, s: TrainSetup, steps=2):
+    targets = "all-linear" if s.all_linear else list(s.lora_targets)
     return real_recipe(
-        TINY[family], method=kw["method"], rank=kw["lora_rank"], targets=kw["lora_targets"],
-        batch=kw["batch_size"], seq=kw["seq_len_tokens"], ckpt=kw["grad_checkpointing"] == "full",
-        attn=kw["attn"], dtype=kw["dtype"], steps=kw["steps"],
+        TINY[family], method=s.method, rank=s.lora_rank, targets=targets, batch=s.batch_size, seq=s.seq_len_tokens,
+        ckpt=s.grad_checkpointing == "full", attn=s.attn, dtype=s.dtype, steps=steps,
     )
 
 
@@ -184,9 +189,10 @@ CASE_IDS = [f"{f}-{'-'.join(map(str, o.values())) or 'default'}" for f, o in CAS
 
 @pytest.mark.parametrize("family,over", CASES, ids=CASE_IDS)
 def test_fake_trace_matches_real_recipe(family, over):
-    kw = _kw(family, **over)
-    fake = trace_training_step(TINY[family], **kw)
-    real = _real_for(family, kw)
+    setup = _setup(family, **over)
+    fake = trace_training_step(TINY[family], setup)
+    real = _real_for(family, setup)
+    assert fake.setup is setup
     assert fake.weights_bytes == real["weights"]
     assert fake.adapter_weights_bytes == real["adapter"]
     assert fake.gradients_bytes == real["grads"]
@@ -202,9 +208,9 @@ def test_fake_trace_matches_real_recipe(family, over):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_checkpointed_trace_matches_real_live_bytes(family):
-    kw = _kw(family, grad_checkpointing="full")
-    fake = trace_training_step(TINY[family], **kw)
-    real = _real_for(family, kw)
+    setup = _setup(family, grad_checkpointing="full")
+    fake = trace_training_step(TINY[family], setup)
+    real = _real_for(family, setup)
     assert fake.saved_activations_bytes == fake.after_forward_bytes - fake.step_start_bytes
     assert fake.saved_activations_bytes == pytest.approx(real["live_after_forward"], rel=0.01)
     # an outer hook only sees what is saved outside the checkpointed layers
@@ -212,17 +218,31 @@ def test_checkpointed_trace_matches_real_live_bytes(family):
     assert fake.saved_hooks_bytes < fake.saved_activations_bytes
     assert fake.gradients_bytes == real["grads"]
     assert fake.optimizer_states_bytes == real["optimizer"]
-    no_ckpt = trace_training_step(TINY[family], **_kw(family))
+    no_ckpt = trace_training_step(TINY[family], _setup(family))
     assert fake.saved_activations_bytes < no_ckpt.saved_activations_bytes
     assert fake.peak_bytes < no_ckpt.peak_bytes
 
 
-@pytest.mark.parametrize("ckpt", ["none", "full"])
-def test_fake_and_real_tensors_give_identical_traces(ckpt):
+IDENTICAL_CASES = {
+    "none": {},
+    "full": {"grad_checkpointing": "full"},
+    "selective-1": {"grad_checkpointing": "selective:1"},
+    "freeze-1": {"method": "freeze", "freeze_trainable_layers": 1},
+    "full-ft-accum-3": {"method": "full", "grad_accum": 3},
+    "sgd": {"method": "full", "optimizer": "sgd"},
+    "adafactor": {"method": "full", "optimizer": "adafactor"},
+    "lora-dropout": {"lora_dropout": 0.1, "attn": "eager"},
+    "fp16-alpha": {"dtype": "fp16", "lora_alpha": 64},
+    "keep-outputs-accum-2": {"keep_outputs": True, "grad_accum": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(IDENTICAL_CASES))
+def test_fake_and_real_tensors_give_identical_traces(case):
     """The same engine on real tensors: every number, peaks included, must be the same byte for byte."""
-    kw = _kw("llama", grad_checkpointing=ckpt)
-    fake = _trace(TINY["llama"], fake=True, **kw)
-    real = _trace(TINY["llama"], fake=False, **kw)
+    setup = _setup("llama", **IDENTICAL_CASES[case])
+    fake = _trace(TINY["llama"], setup, fake=True)
+    real = _trace(TINY["llama"], setup, fake=False)
     for name in ("weights_bytes", "adapter_weights_bytes", "gradients_bytes", "optimizer_states_bytes",
                  "saved_activations_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
                  "peak_bytes", "step_start_bytes", "after_forward_bytes", "saved_hooks_bytes"):
@@ -232,18 +252,18 @@ def test_fake_and_real_tensors_give_identical_traces(ckpt):
 
 
 def test_steady_state_is_reached_on_the_second_step():
-    kw = _kw("llama", grad_checkpointing="full")
-    two = trace_training_step(TINY["llama"], **kw)
-    three = trace_training_step(TINY["llama"], **{**kw, "steps": 3})
+    setup = _setup("llama", grad_checkpointing="full")
+    two = trace_training_step(TINY["llama"], setup)
+    three = trace_training_step(TINY["llama"], setup, steps=3)
     assert (two.step_start_bytes, two.peak_bytes) == (three.step_start_bytes, three.peak_bytes)
-    one = trace_training_step(TINY["llama"], **{**kw, "steps": 1})
+    one = trace_training_step(TINY["llama"], setup, steps=1)
     assert one.step_start_bytes == two.step_start_bytes - two.optimizer_states_bytes
 
 
 def test_lora_adapter_arithmetic():
     """PEFT keeps LoRA weights (and so their gradients and AdamW state) in fp32 on a bf16 model."""
     cfg = TINY["llama"]
-    res = trace_training_step(cfg, **_kw("llama"))
+    res = trace_training_step(cfg, _setup("llama"))
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     kv_dim = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     lora_params = layers * 8 * ((h + h) + (h + kv_dim))  # q: A r x h, B h x r; v: A r x h, B kv_dim x r
@@ -279,7 +299,7 @@ def test_8b_fake_trace_is_fast_and_exact():
     with open(SEED_MODELS) as f:
         cfg = json.load(f)["llama-3.1-8b"]["config"]
     t0 = time.perf_counter()
-    res = trace_training_step(cfg, batch_size=2, seq_len_tokens=2048)
+    res = trace_training_step(cfg, TrainSetup(batch_size=2, seq_len_tokens=2048))
     elapsed = time.perf_counter() - t0
     assert elapsed < 60, elapsed
     base_params = 8_030_261_248
@@ -296,10 +316,135 @@ def test_8b_fake_trace_is_fast_and_exact():
 
 
 def test_phi3_mini_full_size_parameter_count():
-    res = trace_training_step(PHI3_MINI_4K_INSTRUCT, lora_targets=["qkv_proj"], batch_size=1, seq_len_tokens=128,
-                              grad_checkpointing="full")
+    res = trace_training_step(PHI3_MINI_4K_INSTRUCT, TrainSetup(lora_targets=("qkv_proj",), batch_size=1,
+                                                                seq_len_tokens=128, grad_checkpointing="full"))
     assert res.frozen_params == 3_821_079_552
     assert res.trainable_params == 32 * 8 * (3072 + 3 * 3072)
+
+
+REFUSED = [
+    ({"method": "qlora"}, "--method qlora"),
+    ({"attn": "flash"}, "--attn flash"),
+    ({"grad_checkpointing": "offload"}, "--grad-checkpointing offload"),
+    ({"optimizer": "adamw8bit"}, "--optimizer adamw8bit"),
+    ({"optimizer": "paged_adamw8bit"}, "--optimizer paged_adamw8bit"),
+    ({"stack": "fitune"}, "--stack fitune"),
+    ({"stack": "fitune", "loss": "chunked"}, "--loss chunked"),
+    ({"stack": "fitune", "tiled_mlp": True}, "--tiled-mlp"),
+    ({"stack": "fitune", "lean_lora": True}, "--lean-lora"),
+    ({"stack": "fitune", "lean_norm": True}, "--lean-norm"),
+    ({"stack": "fitune", "kernels": "liger"}, "--kernels liger"),
+    ({"stack": "fitune", "expandable_segments": True}, "--expandable-segments"),
+]
+
+
+@pytest.mark.parametrize("change,flag", REFUSED, ids=[f for _, f in REFUSED])
+def test_settings_it_cannot_model_are_refused_by_name(change, flag):
+    with pytest.raises(TraceUnsupportedError, match="cannot model") as info:
+        trace_training_step(TINY["llama"], TrainSetup(**change))
+    assert flag in str(info.value)
+    assert "analytic" in str(info.value)
+    assert isinstance(info.value, FituneError)  # the CLI prints it and exits 2
+
+
+def test_every_refused_setting_is_listed_at_once():
+    with pytest.raises(TraceUnsupportedError) as info:
+        trace_training_step(TINY["llama"], TrainSetup(method="qlora", attn="flash", grad_checkpointing="offload"))
+    msg = str(info.value)
+    assert "3 settings" in msg and "--method qlora" in msg and "--attn flash" in msg and "offload" in msg
+
+
+def test_a_trainsetup_field_newer_than_the_engine_is_refused_unless_at_its_default():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerSetup(TrainSetup):
+        future_knob: int = 0
+
+    with pytest.raises(TraceUnsupportedError, match="--future-knob 3"):
+        trace_training_step(TINY["llama"], NewerSetup(future_knob=3, seq_len_tokens=16))
+    res = trace_training_step(TINY["llama"], NewerSetup(seq_len_tokens=16))
+    assert any("--future-knob" in n and "default" in n for n in res.notes)
+
+
+def test_selective_checkpointing_checkpoints_the_first_k_layers():
+    cfg = TINY["llama"]  # 2 layers
+    by_mode = {m: trace_training_step(cfg, _setup("llama", grad_checkpointing=m))
+               for m in ("none", "selective:0", "selective:1", "selective:2", "full")}
+    saved = {m: r.saved_activations_bytes for m, r in by_mode.items()}
+    assert saved["selective:2"] == saved["full"]  # every layer checkpointed
+    assert saved["full"] < saved["selective:1"] < saved["selective:0"]
+    # each checkpointed layer drops about one layer's saved activations (the first and last layers share a little
+    # differently with the embedding and the final norm, hence not exactly)
+    assert saved["selective:0"] - saved["selective:1"] == pytest.approx(saved["selective:1"] - saved["full"], rel=0.1)
+    with pytest.raises(ConfigError, match="selective:3.*2 layers"):
+        trace_training_step(cfg, _setup("llama", grad_checkpointing="selective:3"))
+
+
+def test_freeze_trains_the_last_layers():
+    cfg = TINY["llama"]
+    res = trace_training_step(cfg, _setup("llama", method="freeze", freeze_trainable_layers=1))
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    layer_params = h * (h + 2 * kv + h) + 3 * h * i + 2 * h  # q k v o, gate up down, two RMSNorms
+    assert res.trainable_params == layer_params
+    assert res.adapter_weights_bytes == res.gradients_bytes == 2 * layer_params  # bf16, as the model
+    assert res.optimizer_states_bytes == 2 * 2 * layer_params + 4 * 9  # exp_avg, exp_avg_sq (bf16); 9 fp32 steps
+
+
+def test_gradient_accumulation_keeps_the_gradients_alive_through_the_next_forward():
+    one = trace_training_step(TINY["llama"], _setup("llama", method="full"))
+    four = trace_training_step(TINY["llama"], _setup("llama", method="full", grad_accum=4))
+    assert four.micro_batches_traced == 2
+    assert four.saved_activations_bytes == one.saved_activations_bytes
+    assert four.gradients_bytes == one.gradients_bytes
+    # the second micro-batch's forward runs with every gradient allocated
+    assert four.forward_peak_bytes == pytest.approx(one.forward_peak_bytes + one.gradients_bytes, abs=64)
+
+
+def test_optimizers_other_than_adamw():
+    adamw = trace_training_step(TINY["llama"], _setup("llama", method="full"))
+    sgd = trace_training_step(TINY["llama"], _setup("llama", method="full", optimizer="sgd"))
+    ada = trace_training_step(TINY["llama"], _setup("llama", method="full", optimizer="adafactor"))
+    assert sgd.optimizer_states_bytes == 0  # momentum 0
+    assert 0 < ada.optimizer_states_bytes < adamw.optimizer_states_bytes / 10  # factored second moment
+    assert sgd.peak_bytes < adamw.peak_bytes
+
+
+def test_lora_dropout_saves_its_mask_and_output():
+    plain = trace_training_step(TINY["llama"], _setup("llama"))
+    dropped = trace_training_step(TINY["llama"], _setup("llama", lora_dropout=0.1))
+    assert dropped.saved_activations_bytes > plain.saved_activations_bytes
+    assert dropped.adapter_weights_bytes == plain.adapter_weights_bytes
+
+
+def test_keep_outputs_holds_the_logits_through_the_backward():
+    cfg = TINY["llama"]
+    plain = trace_training_step(cfg, _setup("llama"))
+    kept = trace_training_step(cfg, _setup("llama", keep_outputs=True))
+    logits_bytes = 2 * 32 * cfg["vocab_size"] * 2  # bf16 logits of 2 x 32 tokens
+    assert kept.backward_peak_bytes >= plain.backward_peak_bytes + logits_bytes
+    assert kept.saved_activations_bytes == plain.saved_activations_bytes
+    assert kept.optimizer_peak_bytes == plain.optimizer_peak_bytes  # gone before the optimizer step
+
+
+def test_any_architecture_transformers_builds():
+    neox = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=1000, max_position_embeddings=256)
+    res = trace_training_step(neox, TrainSetup(lora_targets=("query_key_value",), seq_len_tokens=32))
+    assert res.model_type == "gpt_neox"
+    assert res.trainable_params == 2 * 8 * (64 + 3 * 64)  # query_key_value: A r x h, B 3h x r
+    assert res.peak_bytes > res.weights_bytes > 0
+    frozen = trace_training_step(neox, TrainSetup(method="freeze", freeze_trainable_layers=1, seq_len_tokens=32,
+                                                  grad_checkpointing="selective:1"))
+    assert 0 < frozen.trainable_params < frozen.total_params
+
+
+def test_lora_targets_the_model_lacks_name_what_it_has():
+    neox = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=1000)
+    with pytest.raises(ConfigError, match="--lora-targets q_proj,v_proj.*query_key_value, dense"):
+        trace_training_step(neox, TrainSetup(seq_len_tokens=16))
 
 
 def test_import_does_not_import_torch():
@@ -308,22 +453,18 @@ def test_import_does_not_import_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize("method", ["qlora", "freeze"])
-def test_unsupported_methods_point_to_the_analytic_engine(method):
-    with pytest.raises(TraceUnsupportedError, match="analytic"):
-        trace_training_step(TINY["llama"], method=method)
-
-
 def test_clear_errors_for_bad_arguments():
-    with pytest.raises(ValueError, match="attention implementation 'flash_attention_2'.*sdpa, eager"):
-        trace_training_step(TINY["llama"], attn="flash_attention_2")
-    with pytest.raises(ValueError, match="dtype"):
-        trace_training_step(TINY["llama"], dtype="int8")
-    with pytest.raises(ValueError, match="grad_checkpointing"):
-        trace_training_step(TINY["llama"], grad_checkpointing="selective")
-    with pytest.raises(TraceUnsupportedError, match="AdamW"):
-        trace_training_step(TINY["llama"], optimizer="sgd")
-    with pytest.raises(ValueError, match="model_type"):
-        trace_training_step({"hidden_size": 64})
-    with pytest.raises(ValueError, match="unknown method"):
-        trace_training_step(TINY["llama"], method="dora")
+    with pytest.raises(ConfigError, match="--dtype 'int8'"):
+        trace_training_step(TINY["llama"], TrainSetup(dtype="int8"))
+    with pytest.raises(ConfigError, match="selective"):
+        trace_training_step(TINY["llama"], TrainSetup(grad_checkpointing="selective"))
+    with pytest.raises(ConfigError, match="--method 'dora'"):
+        trace_training_step(TINY["llama"], TrainSetup(method="dora"))
+    with pytest.raises(UnknownModelError, match="model_type"):
+        trace_training_step({"hidden_size": 64}, TrainSetup())
+    with pytest.raises(TraceModelError, match="does not know model_type 'no_such_model'"):
+        trace_training_step({"model_type": "no_such_model"}, TrainSetup())
+    with pytest.raises(TraceModelError, match="cannot build a causal LM.*t5"):
+        trace_training_step({"model_type": "t5"}, TrainSetup())
+    with pytest.raises(TraceModelError, match="hidden size"):
+        trace_training_step({**TINY["llama"], "hidden_size": 65}, TrainSetup())

@@ -7,8 +7,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fitune.profile.hf_recipe import wrap_lora  # noqa: E402
-from fitune.train.techniques.varlen_attention import (NAME, _segments, enable_varlen_attention,  # noqa: E402
+from fitune.runtime.model import wrap_lora  # noqa: E402
+from fitune.runtime.techniques.varlen_attention import (NAME, _segments, enable_varlen_attention,  # noqa: E402
                                                        varlen_supported)
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import ConfigError
-from ..setup import DEFAULT_SETUP, TrainSetup, parse_targets
+from ..setup import TrainSetup
 from ..units import gib
 
 DESCRIPTION = """\
@@ -44,46 +44,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_setup_arguments(p: argparse.ArgumentParser) -> None:
-    """The TrainSetup flags, shared with other subcommands. Defaults come from TrainSetup itself."""
-    d = DEFAULT_SETUP
-    p.add_argument("model", nargs="?", metavar="MODEL", help="catalog name, config.json, or model folder")
-    p.add_argument("--method", default=d.method, help="lora | qlora (NF4, double quantisation) | full | freeze "
-                   f"(default {d.method})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len_tokens, help=f"tokens per sequence (default {d.seq_len_tokens})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per micro-batch (default {d.batch_size})")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA rank r (default {d.lora_rank})")
-    p.add_argument("--lora-targets", default=",".join(d.lora_targets),
-                   help="comma-separated module names, or all-linear (default q_proj,v_proj)")
-    p.add_argument("--grad-checkpointing", default=d.grad_checkpointing, metavar="none|full|offload|selective:K",
-                   help="activation checkpointing: none, full (every layer), offload (checkpoints in pinned CPU "
-                   f"memory), selective:K (the first K layers) (default {d.grad_checkpointing})")
-    p.add_argument("--attn", default=d.attn, help=f"eager | sdpa | flash (default {d.attn})")
-    p.add_argument("--optimizer", default=d.optimizer,
-                   help=f"adamw | adamw8bit | paged_adamw8bit | adafactor | sgd (default {d.optimizer})")
-    p.add_argument("--dtype", default=d.dtype, help=f"bf16 | fp16 | fp32 (default {d.dtype})")
-    p.add_argument("--loss", default=d.loss, help=f"hf (full fp32 logits, as transformers) | chunked (default {d.loss})")
-    p.add_argument("--tiled-mlp", action="store_true", help="fitune's runner: run each MLP a tile of tokens at a "
-                   "time (needs --stack fitune)")
-    p.add_argument("--lean-lora", action="store_true", help="fitune's runner: LoRA branch in bf16, no fp32 copy of "
-                   "each adapter's input (needs --stack fitune)")
-    p.add_argument("--lean-norm", action="store_true", help="fitune's runner: RMSNorm in tiles, saving only its bf16 "
-                   "input (needs --stack fitune)")
-    p.add_argument("--kernels", default=d.kernels, help="fitune's runner: torch | liger (Liger Kernel's RMSNorm, "
-                   f"SwiGLU and RoPE; needs --stack fitune) (default {d.kernels})")
-    p.add_argument("--expandable-segments", action="store_true", help="fitune's runner: PyTorch's allocator with "
-                   "expandable segments (little fragmentation; needs --stack fitune)")
-    p.add_argument("--stack", default=d.stack, help="hf (a plain transformers + PEFT script) | fitune (fitune's "
-                   f"runner) (default {d.stack})")
+    """MODEL, --config and the TrainSetup flags, shared with `fitune profile` (generated: fitune/cli/common.py)."""
+    from .common import add_setup_arguments as add
+
+    add(p)
 
 
 def setup_from_args(args) -> TrainSetup:
-    return TrainSetup(
-        method=args.method, lora_rank=args.lora_rank, lora_targets=parse_targets(args.lora_targets),
-        dtype=args.dtype, grad_checkpointing=args.grad_checkpointing, attn=args.attn, optimizer=args.optimizer,
-        batch_size=args.batch_size, seq_len_tokens=args.seq_len, loss=args.loss, stack=args.stack,
-        tiled_mlp=args.tiled_mlp, lean_lora=args.lean_lora, lean_norm=args.lean_norm,
-        expandable_segments=args.expandable_segments, kernels=args.kernels,
-    )
+    """The setup the flags (and --config) describe; `args.model` is filled from the config when not given."""
+    from .common import setup_and_model
+
+    model, setup, origin = setup_and_model(args)
+    args.model = model
+    args.setup_origin = origin
+    return setup
 
 
 def run(args) -> int:
@@ -99,13 +73,13 @@ def run(args) -> int:
             e = gpu_catalog()[name]
             print(f"{name:18s} {e['total_memory_mib'] / 1024:6.1f} GiB  {e.get('display_name', '')}")
         return 0
+    setup = setup_from_args(args)
     if not args.model:
         raise ConfigError("MODEL is missing: name a catalog model (e.g. llama-3.1-8b), a config.json or a model folder")
-    model = load_model_spec(args.model)
-    setup = setup_from_args(args)
     gpu = resolve_gpu(args.gpu) if args.gpu else None
-    if args.engine == "trace":
-        return _run_trace(args, model, setup, gpu)
+    if args.engine == "trace":  # builds any architecture transformers knows: no analytic ModelSpec, no arch check
+        return _run_trace(args, setup, gpu)
+    model = load_model_spec(args.model)
     from ..memory import estimate
 
     est = estimate(model, setup, gpu)
@@ -221,48 +195,68 @@ def format_estimate(est, suggestions=()) -> str:
     return "\n".join(lines)
 
 
-def _run_trace(args, model, setup: TrainSetup, gpu) -> int:
+def _run_trace(args, setup: TrainSetup, gpu) -> int:
+    """`--engine trace`: the real transformers + PEFT model on fake tensors, for any architecture transformers
+    builds from the config.json. Every setting is traced as given or refused by name (fitune/trace/support.py)."""
+    from ..specs.model import resolve_model_source
+
+    source = resolve_model_source(args.model)
     try:
-        from ..trace import trace_training_step
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError(f"--engine trace needs torch, transformers and peft installed ({exc})") from exc
-    try:
+        import peft  # noqa: F401
         import torch  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("--engine trace needs torch (pip install torch); the analytic engine does not") from exc
-    res = trace_training_step(
-        model.hf_config, method=setup.method, lora_rank=setup.lora_rank,
-        lora_targets="all-linear" if setup.all_linear else list(setup.lora_targets),
-        batch_size=setup.batch_size, seq_len_tokens=setup.seq_len_tokens,
-        grad_checkpointing="full" if setup.grad_checkpointing != "none" else "none",
-        attn=setup.attn if setup.attn != "flash" else "sdpa", dtype=setup.dtype, optimizer=setup.optimizer,
-    )
+        raise ConfigError(f"--engine trace needs torch, transformers and peft installed ({exc}); the analytic "
+                          "engine needs none of them") from exc
+    from ..trace import trace_training_step
+
+    res = trace_training_step(source, setup)
+    s = res.setup  # the setup that was traced: the one given, nothing swapped
     doc = {
-        "model": model.name, "engine": "trace", "setup": setup.to_dict(),
+        "model": res.model, "model_type": res.model_type, "engine": "trace", "setup": s.to_dict(),
         "peak_allocated_bytes": res.peak_bytes,
+        "peak_phase": res.peak_phase,
         "breakdown": {
             "weights": res.weights_bytes, "adapter_weights": res.adapter_weights_bytes,
             "gradients": res.gradients_bytes, "optimizer_states": res.optimizer_states_bytes,
             "saved_activations": res.saved_activations_bytes,
         },
+        "peak_by_category": dict(res.by_category),
         "phases": {"forward": {"peak_allocated_bytes": res.forward_peak_bytes},
                    "backward": {"peak_allocated_bytes": res.backward_peak_bytes},
                    "optimizer": {"peak_allocated_bytes": res.optimizer_peak_bytes}},
+        "trainable_params": res.trainable_params,
+        "total_params": res.total_params,
         "notes": list(res.notes) + ["the trace engine counts live tensors on the CPU (fake tensors): no CUDA "
                                     "workspaces, no caching-allocator overhead"],
     }
     if gpu is not None:
+        doc["gpu"] = {"name": gpu.name, "total_bytes": gpu.total_bytes,
+                      "allocator_budget_bytes": gpu.allocator_budget_bytes}
         doc["fits"] = res.peak_bytes <= gpu.allocator_budget_bytes
         doc["headroom_bytes"] = gpu.allocator_budget_bytes - res.peak_bytes
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         print()
-    else:
-        print(f"{model.name} (trace engine): peak {gib(res.peak_bytes)} live tensors")
-        for k, v in doc["breakdown"].items():
-            print(f"    {LABELS.get(k, k):22s} {gib(v):>12s}")
-        for p, v in doc["phases"].items():
-            print(f"    {p} peak {gib(v['peak_allocated_bytes'])}")
-        if gpu is not None:
-            print(f"  {gpu.name}: {'FITS' if doc['fits'] else 'DOES NOT FIT'} (headroom {gib(doc['headroom_bytes'])})")
+        return 0
+    targets = ",".join(s.lora_targets)
+    method = s.method + (f" r{s.lora_rank} on {targets}" if s.method == "lora" else "") + \
+        (f" (the last {s.freeze_trainable_layers} layers train)" if s.method == "freeze" else "")
+    accum = f" x {s.grad_accum} accumulation" if s.grad_accum > 1 else ""
+    print(f"{res.model} (trace engine, model_type {res.model_type}): {method}, {s.batch_size} x {s.seq_len_tokens} "
+          f"tokens{accum}, {s.dtype}, checkpointing {s.grad_checkpointing}, attention {s.attn}, optimizer "
+          f"{s.optimizer}, loss {s.loss}, stack {s.stack}")
+    print(f"  {res.total_params:,} parameters, {res.trainable_params:,} trainable (counted on the model transformers "
+          "built)")
+    print("")
+    print(f"  peak {gib(res.peak_bytes)} of live tensors ({res.peak_phase}); resident and saved:")
+    for k, v in doc["breakdown"].items():
+        print(f"    {LABELS.get(k, k):22s} {gib(v):>12s}")
+    print("  phase peaks: " + ", ".join(f"{p} {gib(v['peak_allocated_bytes'])}" for p, v in doc["phases"].items()))
+    for n in doc["notes"]:
+        print(f"  note: {n}")
+    if gpu is not None:
+        print(f"  {gpu.name}: {gib(gpu.allocator_budget_bytes)} for PyTorch's allocator -> "
+              f"{'FITS' if doc['fits'] else 'DOES NOT FIT'} (headroom {gib(doc['headroom_bytes'])}, before the "
+              "allocator's overhead)")
     return 0

@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import doctor, estimate, plan, profile, train
+from . import doctor, estimate, plan, profile, report, train
 
-SUBCOMMANDS = (estimate, plan, profile, train, doctor)
+SUBCOMMANDS = (estimate, plan, profile, train, doctor, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,8 @@ import json
 import sys
 
 from ..errors import ConfigError, DoesNotFitError
-from ..setup import DEFAULT_SETUP, parse_targets
+from ..schema import Problems, add_arguments, values_from_args
+from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
 from ..units import GiB, parse_memory_bytes
 
 DESCRIPTION = """\
@@ -43,8 +44,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "may use, e.g. 23.4GiB")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="data parallel over N GPUs: each holds a full copy and takes batch / N (default 1)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len_tokens,
-                   help=f"tokens per sequence; with --data, the most it may be (default {d.seq_len_tokens})")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all GPUs together "
                        f"(default {d.batch_size})")
@@ -57,19 +56,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="methods to consider, comma-separated: lora, qlora, full, freeze (default lora,qlora)")
     p.add_argument("--no-quantize", action="store_true", help="leave out QLoRA (4-bit base weights)")
     p.add_argument("--host-ram", metavar="NGiB", help="host memory: methods whose loading needs more are left out")
-    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help=f"LoRA rank r, kept as given (default {d.lora_rank})")
-    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha})")
-    p.add_argument("--lora-targets", default=",".join(d.lora_targets),
-                   help="modules LoRA wraps, comma-separated, or all-linear; kept as given (default q_proj,v_proj)")
-    p.add_argument("--kernels", default="torch", choices=("torch", "liger"),
-                   help="liger: you have liger-kernel installed (a CUDA GPU): plans use its fused RMSNorm, SwiGLU "
-                   "and RoPE, which save memory and ran faster on the seeds' workload (default torch)")
     p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
     p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config")
     p.add_argument("--emit", choices=("hf",), help="print the best plan as Hugging Face transformers + PEFT code")
+    # The setup fields a plan keeps as given: the same flags (and names) as every other command.
+    add_arguments(p, [k for k in SETUP_KEYS if k.field in KEPT_FIELDS], defaults=d.to_dict(),
+                  group_title="kept as given (the same flags as fitune estimate / train)")
     p.set_defaults(run=run)
     return p
+
+
+#: TrainSetup fields the planner does not search: the user's choice stands.
+KEPT_FIELDS = ("seq_len_tokens", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "freeze_trainable_layers",
+               "kernels")
+
+
+def kept_setup(args) -> TrainSetup:
+    """The defaults with the kept fields' flags applied (problems named by flag)."""
+    problems = Problems()
+    values = values_from_args(args, [k for k in SETUP_KEYS if k.field in KEPT_FIELDS], problems)
+    problems.raise_if_any()
+    return DEFAULT_SETUP.replace(**values)
 
 
 def run(args) -> int:
@@ -78,7 +86,7 @@ def run(args) -> int:
     from ..plan import PlanRequest, plan
     from ..plan.emit import hf_code, plan_yaml
     from ..specs.gpu import resolve_gpu
-    from ..specs.model import load_model_spec, model_catalog
+    from ..specs.model import catalog_key, load_model_spec, model_catalog
 
     t0 = time.perf_counter()
     model = load_model_spec(args.model)
@@ -91,19 +99,22 @@ def run(args) -> int:
         host_ram = parse_memory_bytes(args.host_ram)
         if host_ram is None:
             raise ConfigError(f"--host-ram {args.host_ram}: write a 1024-based amount, e.g. 64GiB")
-    data, seq_len, data_notes = None, args.seq_len, []
+    kept = kept_setup(args)
+    data, seq_len, data_notes = None, kept.seq_len_tokens, []
     if args.data:
         data, seq_len, data_notes = _read_data(args, model)
     batch_size, batch_notes = _batch_size(args, seq_len)
     req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
-                      methods=methods, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                      lora_targets=parse_targets(args.lora_targets), attns=available_attns(),
-                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=args.kernels,
+                      methods=methods, lora_rank=kept.lora_rank, lora_alpha=kept.lora_alpha,
+                      lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
+                      freeze_trainable_layers=kept.freeze_trainable_layers, attns=available_attns(),
+                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kept.kernels,
                       data=data, top=args.top)
     result = plan(req)
     elapsed = time.perf_counter() - t0
     notes = data_notes + batch_notes
-    hf_id = model_catalog().get(args.model.strip().lower(), {}).get("hf_id")
+    name = catalog_key(args.model)
+    hf_id = model_catalog()[name].get("hf_id") if name else None
 
     if args.write and result.plans:
         text = plan_yaml(result.plans[0], req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
@@ -176,7 +187,7 @@ def _read_data(args, model):
     if not os.path.exists(args.data):
         raise ConfigError(f"--data {args.data}: no such file")
     profile = profile_data(args.data, tokenizer)
-    seq, truncated = choose_seq_len(profile, args.seq_len)
+    seq, truncated = choose_seq_len(profile, kept_setup(args).seq_len_tokens)
     notes = [f"--data {args.data}: {profile.examples:,} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
              f"{profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,} -> --seq-len {seq}"
              + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]

@@ -31,8 +31,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure a real training run's memory and speed",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_arguments(p)
-    p.add_argument("--config", metavar="FILE.yaml", help="a fitune train config (model, method, lora, seq_len, ...); "
-                   "flags given explicitly are ignored in favour of the file's keys")
     p.add_argument("--steps", type=int, default=3, help="training steps to measure (default 3)")
     p.add_argument("--cap", metavar="NGiB|GPU", help="limit PyTorch's allocator to this budget (e.g. rtx4090, 23.4GiB)")
     p.add_argument("--gpu", metavar="NAME", help="the GPU MFU is computed against (default: --cap, else h200)")
@@ -48,13 +46,8 @@ def run(args) -> int:
     from ..specs.gpu import resolve_gpu
     from ..specs.model import load_model_spec
 
+    setup = setup_from_args(args)  # --config's keys, then the flags given on top
     model_name = args.model
-    setup = setup_from_args(args)
-    if args.config:
-        from ..setup import load_config_file, setup_from_config
-
-        model_name, setup = setup_from_config(load_config_file(args.config), args.config)
-        model_name = args.model or model_name
     if not model_name:
         raise ConfigError("MODEL is missing: name a catalog model, a config.json or a model folder (or --config)")
     if args.steps < 1:
@@ -89,7 +82,7 @@ def run(args) -> int:
 
 
 def format_result(r) -> str:
-    from ..profile.oom import OomReport, format_report
+    from ..runtime.oom import OomReport, format_report
 
     scale = max(r.peak_allocated_bytes, r.estimate_peak_allocated_bytes)
 

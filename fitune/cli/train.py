@@ -16,8 +16,11 @@ The config is YAML (see the README, "fitune train"); flags override its keys:
   fitune train run.yaml --max-steps 200 --set lora.rank=16 --set data.eval_path=eval.jsonl
 
 Outputs in output_dir: metrics.jsonl (one line per step), checkpoints/step-N/ (resumable), adapter/ (a PEFT
-folder: PeftModel.from_pretrained(base, path)), merged/ with --merge. Ctrl-C writes a checkpoint; --resume
-continues from the newest complete one and reproduces the losses of an uninterrupted run.
+folder: PeftModel.from_pretrained(base, path)), merged/ with --merge. One run per output_dir: a used one is
+refused unless --resume (continue it) or --overwrite (move it aside). Checkpoints are written every save_every
+steps, every save_every_minutes (default 30) and at the end. Ctrl-C writes a checkpoint; --resume continues
+from the newest complete one, reproduces the losses of an uninterrupted run, and applies (lr, max_steps, ...) or
+refuses (lora.rank, batch_size, ...) each config change by name.
 """
 
 
@@ -26,50 +29,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", metavar="CONFIG.yaml", help="the training config")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--merge", action="store_true", help="also write the base weights with the adapter merged")
-    p.add_argument("--max-steps", type=int, help="override max_steps")
-    p.add_argument("--lr", type=float, help="override lr")
-    p.add_argument("--output-dir", help="override output_dir")
-    p.add_argument("--cap", metavar="GPU|NGiB", help="limit PyTorch's allocator to this budget (rehearse a smaller card)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="output_dir holds another run: move it to output_dir.old-<time> and start fresh")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key (dotted for nested: lora.rank=16, data.path=x.jsonl); values are YAML")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics.jsonl is still written)")
+    from ..config import ALL_KEYS, TrainConfig, flat_values
+    from ..schema import add_arguments
+
+    # One flag per config key (fitune/config.py, fitune/setup.py): --lr, --max-steps, --lora-rank, --grad-accum, ...
+    add_arguments(p, ALL_KEYS, defaults=flat_values(TrainConfig()),
+                  group_title="config keys (each overrides the file's value; same names as the YAML keys)")
     p.set_defaults(run=run)
     return p
 
 
 def parse_overrides(args) -> dict:
-    import yaml
+    """The `--set KEY=VALUE` pairs as {dotted key: YAML value}."""
+    from ..schema import parse_yaml_value
 
     out = {}
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set lora.rank=16")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
-    if args.max_steps is not None:
-        out["max_steps"] = args.max_steps
-        out.setdefault("epochs", None)
-    if args.lr is not None:
-        out["lr"] = args.lr
-    if args.output_dir:
-        out["output_dir"] = args.output_dir
-    if args.merge:
-        out["merge"] = True
-    if args.cap:
-        out["cap"] = args.cap
+        out[key.strip()] = parse_yaml_value(value, f"--set {item}")
     return out
 
 
 def run(args) -> int:
-    from ..setup import load_config_file
-    from ..train.config import config_from_dict
+    from ..config import config_from_dict, train_values_from_args
+    from ..schema import load_config_file
 
     doc = load_config_file(args.config)
-    overrides = parse_overrides(args)
-    if "max_steps" in overrides and isinstance(doc, dict):
-        doc.pop("epochs", None)
-    cfg = config_from_dict(doc, args.config, overrides)
+    cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -77,7 +70,7 @@ def run(args) -> int:
     from ..train.loop import train
 
     logging.getLogger("fitune").setLevel(logging.INFO)
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     last = f"{result.losses[-1]:.4f}" if result.losses else "n/a"
     print(f"trained {result.steps} steps; last loss {last}; outputs in {result.output_dir}"
           + (f" (adapter: {result.adapter_dir})" if result.adapter_dir else ""))

@@ -1,28 +1,24 @@
-"""`scan_data`: what a training data file costs once tokenised - lengths, padding, truncation, bad records.
+"""`scan_data`: the doctor's report on a training data file, as findings over `fitune.data`'s scan.
 
-Formats (.jsonl, or .json holding a list of records; detected from the first record with a known shape):
-- chat:       {"messages": [{"role": ..., "content": ...}, ...]} - rendered with the tokenizer's chat template when it
-              has one, else as "role: content" lines;
-- completion: {"prompt": ..., "completion": ...} - the two tokenised one after the other;
-- text:       {"text": ...}.
+The file is read and encoded exactly as `fitune train` does it (`fitune.data.scan_file`: the same reader, format
+detection, chat template, special prefix and eos, truncation at `seq_len_tokens`), so the lengths, truncation and
+dropped records reported here are those of training. This module only turns the scan into a `DataReport`: the
+token-length histogram, the padding of one epoch in file order (padding every example to the sequence length,
+padding each batch of `batch_size` to its longest example, packing), and one finding per bad, empty or truncated
+record, by line.
 
-Padding is compared for one epoch in file order at `seq_len_tokens` (examples longer are truncated to it):
-padding every example to the sequence length, padding each batch of `batch_size` to its longest example (dynamic
-padding), and packing examples back to back into rows of the sequence length.
-
-The tokenizer is loaded with transformers (imported only here, only when scanning); the rest is pure Python.
+The tokenizer is loaded with transformers (imported only when scanning); the rest is pure Python.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import statistics
 from dataclasses import dataclass, field
 
+from ..data import DataScan, load_tokenizer, scan_file
+from ..data.stats import HistogramBin, PaddingCost, length_stats
+from ..errors import DataError
 from ..setup import DEFAULT_SETUP
-from .findings import ERROR, INFO, WARNING, DataError, Finding, sort_findings
+from .findings import ERROR, INFO, WARNING, Finding, sort_findings
 
 DEFAULT_BATCH_SIZE = 8
 """Sequences per batch for the dynamic-padding figure when --batch-size is not given."""
@@ -30,33 +26,11 @@ MAX_FINDINGS_PER_RULE = 20
 """Line-level findings listed one by one per rule; the rest are summarised in one more finding."""
 PADDING_WASTE_NOTE = 0.5
 """Report padding to the sequence length when more than this share of the token slots would be padding."""
-FORMATS = ("chat", "completion", "text")
-
-
-@dataclass(frozen=True)
-class HistogramBin:
-    low_tokens: int
-    high_tokens: int
-    count: int
-
-
-@dataclass(frozen=True)
-class PaddingCost:
-    """What one way of batching costs over the epoch: token positions computed vs real tokens."""
-
-    strategy: str
-    """max_length | dynamic | packing."""
-    slot_tokens: int
-    """Token positions the model computes (real + padding)."""
-    real_tokens: int
-
-    @property
-    def padding_tokens(self) -> int:
-        return self.slot_tokens - self.real_tokens
-
-    @property
-    def padding_share(self) -> float:
-        return self.padding_tokens / self.slot_tokens if self.slot_tokens else 0.0
+PROBLEM_RULES = {"not-utf8": "data-not-utf8", "bad-json": "data-bad-json", "not-object": "data-malformed",
+                 "malformed": "data-malformed"}
+"""The finding rule of each kind of `fitune.data.RecordProblem`."""
+READ = "read from the file"
+ENCODED = "encoded as fitune train encodes it, with this tokenizer"
 
 
 @dataclass(frozen=True)
@@ -66,16 +40,20 @@ class DataReport:
     path: str
     format: str
     chat_template: bool
-    """Chat records were rendered with the tokenizer's chat template (False: "role: content" lines)."""
+    """Chat records were rendered with the tokenizer's chat template (always, for chat: training needs one)."""
     lengths_tokens: tuple[int, ...]
-    """Tokens of each valid record, in file order."""
+    """Tokens of each record with something to train on (as training encodes it), in file order."""
     seq_len_tokens: int
     batch_size: int
     histogram: tuple[HistogramBin, ...]
     padding: tuple[PaddingCost, ...]
+    """Over the examples training keeps, after truncation."""
     truncated_records: int
+    """Records longer than seq_len_tokens, including those truncation leaves with nothing to train on."""
     truncated_tokens: int
     """Tokens cut off by truncating at seq_len_tokens."""
+    dropped_lines: tuple[int, ...] = ()
+    """Records training drops for having no token to train on (empty, or their answer truncated away)."""
     findings: tuple[Finding, ...] = field(default_factory=tuple)
 
     @property
@@ -83,11 +61,7 @@ class DataReport:
         return len(self.lengths_tokens)
 
     def length_stats(self) -> dict[str, float]:
-        xs = sorted(self.lengths_tokens)
-        if not xs:
-            return {}
-        return {"min": xs[0], "median": statistics.median(xs), "mean": statistics.fmean(xs),
-                "p90": _percentile(xs, 0.90), "p99": _percentile(xs, 0.99), "max": xs[-1]}
+        return length_stats(self.lengths_tokens)
 
     def to_dict(self) -> dict:
         return {
@@ -100,305 +74,87 @@ class DataReport:
                                      "padding_tokens": p.padding_tokens, "padding_share": round(p.padding_share, 4)}
                         for p in self.padding},
             "truncated_records": self.truncated_records, "truncated_tokens": self.truncated_tokens,
+            "dropped_lines": list(self.dropped_lines),
             "findings": [f.to_dict() for f in self.findings],
         }
 
 
-@dataclass
-class _Raw:
-    line: int
-    value: object
-
-
 def scan_data(path: str, tokenizer_dir: str, seq_len_tokens: int | None = None,
-              batch_size: int = DEFAULT_BATCH_SIZE) -> DataReport:
-    """Tokenise every record of `path` with the tokenizer in `tokenizer_dir` and report lengths and waste.
+              batch_size: int = DEFAULT_BATCH_SIZE, fmt: str | None = None) -> DataReport:
+    """Encode every record of `path` as `fitune train` would, with the tokenizer in `tokenizer_dir`, and report
+    lengths, waste, truncation and bad records.
 
     Raises:
         DataError: the file is missing, empty, has no usable record, or the tokenizer cannot be loaded.
     """
     seq_len = seq_len_tokens or DEFAULT_SETUP.seq_len_tokens
-    if seq_len < 1 or batch_size < 1:
-        raise DataError(f"--seq-len and --batch-size must be positive integers, got {seq_len} and {batch_size}")
-    raws, findings = read_records(path)
-    fmt, format_line = _detect_format(path, raws, findings)
-    texts: list[tuple[int, object]] = []  # (line, text or messages)
-    for raw in raws:
-        item = _validate(raw, fmt, format_line, findings)
-        if item is not None:
-            texts.append((raw.line, item))
-    tok = load_tokenizer(tokenizer_dir)
-    use_template = fmt == "chat" and bool(getattr(tok, "chat_template", None))
-    lines, lengths = _tokenise(tok, fmt, use_template, texts, findings)
-    if not lengths:
-        raise DataError(f"{path}: no record could be tokenised ({len(findings)} problems; first: "
-                        f"{findings[0].message if findings else 'none'})")
-    truncated = [(line, n) for line, n in zip(lines, lengths) if n > seq_len]
-    findings += _truncation_findings(truncated, seq_len)
-    padding = padding_costs(lengths, seq_len, batch_size)
+    if seq_len < 2 or batch_size < 1:
+        raise DataError(f"--seq-len must be at least 2 and --batch-size at least 1, got {seq_len} and {batch_size}")
+    scan = scan_file(path, load_tokenizer(tokenizer_dir), seq_len, fmt)
+    stats = scan.stats
+    findings = _problem_findings(scan) + _dropped_findings(scan)
+    if not stats.examples:
+        first = f"; first: {findings[0].message}" if findings else ""
+        raise DataError(f"{path}: no record has a token to train on at seq len {seq_len} ({len(findings)} "
+                        f"problems{first})", path=path)
+    findings += _truncation_findings(scan)
+    padding = scan.padding(batch_size)
     if padding[0].padding_share > PADDING_WASTE_NOTE:
         findings.append(_padding_finding(padding, seq_len, batch_size))
     return DataReport(
-        path=path, format=fmt, chat_template=use_template, lengths_tokens=tuple(lengths), seq_len_tokens=seq_len,
-        batch_size=batch_size, histogram=tuple(histogram(lengths)), padding=tuple(padding),
-        truncated_records=len(truncated), truncated_tokens=sum(n - seq_len for _, n in truncated),
-        findings=tuple(sort_findings(_cap(findings))),
+        path=path, format=stats.format, chat_template=stats.format == "chat", lengths_tokens=stats.lengths_tokens,
+        seq_len_tokens=seq_len, batch_size=batch_size, histogram=tuple(scan.histogram()), padding=tuple(padding),
+        truncated_records=stats.truncated_records, truncated_tokens=stats.truncated_tokens,
+        dropped_lines=stats.dropped_lines, findings=tuple(sort_findings(_cap(findings))),
     )
 
 
-# ---- reading ------------------------------------------------------------------------------------------------------
-def read_records(path: str) -> tuple[list[_Raw], list[Finding]]:
-    """Parse a .jsonl (one JSON value per line) or a .json list; bad lines become findings, not exceptions."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: no such file; pass a .jsonl or .json data file")
-    if os.path.isdir(path):
-        raise DataError(f"{path} is a folder; pass one .jsonl or .json data file")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw.strip():
-        raise DataError(f"{path} is empty: no record to scan")
-    if raw.lstrip()[:1] == b"[":
-        return _read_json_list(path, raw), []
-    return _read_jsonl(raw)
+# ---- findings -----------------------------------------------------------------------------------------------------
+def _problem_findings(scan: DataScan) -> list[Finding]:
+    """Records training would stop on: not UTF-8, not JSON, not an object, missing fields."""
+    out = []
+    for p in scan.problems:
+        rule = PROBLEM_RULES[p.kind]
+        if rule == "data-not-utf8":
+            fix = "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        elif rule == "data-bad-json":
+            fix = "fix or remove the line; each line of a .jsonl file is one JSON object"
+        else:
+            fix = f"fix or drop the record; this file's records are {scan.stats.format} records"
+        out.append(Finding(rule, p.line, ERROR, f"{scan.unit} {p.line}: {p.message}; fitune train stops on it.", fix,
+                           READ))
+    return out
 
 
-def _read_jsonl(raw: bytes) -> tuple[list[_Raw], list[Finding]]:
-    records, findings = [], []
-    for i, line_bytes in enumerate(raw.split(b"\n"), start=1):
-        try:
-            line = line_bytes.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            findings.append(Finding("data-not-utf8", i, ERROR,
-                                    f"line {i} is not UTF-8 text (byte 0x{line_bytes[exc.start]:02x} at column "
-                                    f"{exc.start + 1}).",
-                                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
-                                    "read from the file"))
-            continue
-        if not line.strip():
-            continue
-        try:
-            records.append(_Raw(i, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            findings.append(Finding("data-bad-json", i, ERROR, f"line {i} is not valid JSON: {exc.msg} at column "
-                                    f"{exc.colno}.", "fix or remove the line; each line of a .jsonl file is one "
-                                    "JSON object", "read from the file"))
-    return records, findings
+def _dropped_findings(scan: DataScan) -> list[Finding]:
+    """Records training drops: nothing to train on, or truncation cut every trained token."""
+    stats, unit = scan.stats, scan.unit
+    out = [Finding("data-empty-record", line, WARNING,
+                   f"{unit} {line}: no token to train on ({why}): an example whose labels are all masked gives a NaN "
+                   "loss; fitune train drops it.", "drop or complete empty records before training", ENCODED)
+           for line, why in stats.empty]
+    lengths = {r.line: r.tokens for r in stats.records}
+    out += [Finding("data-truncated-away", line, WARNING,
+                    f"{unit} {line}: {lengths[line]:,} tokens, and every token to train on lies past the first "
+                    f"{stats.seq_len_tokens}: truncation leaves nothing to learn from; fitune train drops it.",
+                    "raise --seq-len, or shorten the prompt so the answer starts inside the sequence", ENCODED)
+            for line in stats.truncated_away_lines]
+    return out
 
 
-def _read_json_list(path: str, raw: bytes) -> list[_Raw]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path} is not UTF-8 text (line {line}, byte 0x{raw[exc.start]:02x}); re-encode it as "
-                        "UTF-8") from exc
-    decoder = json.JSONDecoder()
-    records = []
-    i = text.index("[") + 1
-    while True:
-        i = _skip_space(text, i)
-        if i >= len(text):
-            raise DataError(f"{path}: the JSON list is not closed (missing ']' at the end)")
-        if text[i] == "]":
-            break
-        try:
-            value, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
-        records.append(_Raw(text.count("\n", 0, i) + 1, value))
-        i = _skip_space(text, end)
-        if i < len(text) and text[i] == ",":
-            i += 1
-        elif i < len(text) and text[i] != "]":
-            line = text.count("\n", 0, i) + 1
-            raise DataError(f"{path} is not valid JSON: expected ',' or ']' at line {line}")
-    if text[i + 1:].strip():
-        line = text.count("\n", 0, i) + 1
-        raise DataError(f"{path} is not valid JSON: extra data after the list ends at line {line}")
-    return records
-
-
-def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def _detect_format(path: str, raws: list[_Raw], problems: list[Finding]) -> tuple[str, int]:
-    """The format of the first record with a known shape, and its line."""
-    for raw in raws:
-        fmt = _shape(raw.value)
-        if fmt:
-            return fmt, raw.line
-    if not raws:
-        first = f"; first: {problems[0].message}" if problems else ""
-        raise DataError(f"{path}: no line is a valid JSON record ({len(problems)} bad lines{first})")
-    first = raws[0].value
-    keys = ", ".join(map(str, first)) if isinstance(first, dict) else type(first).__name__
-    raise DataError(f"{path}: no record has 'messages' (chat), 'prompt' + 'completion', or 'text'; the first record "
-                    f"(line {raws[0].line}) has: {keys}")
-
-
-def _shape(value) -> str | None:
-    if not isinstance(value, dict):
-        return None
-    if "messages" in value:
-        return "chat"
-    if "prompt" in value and "completion" in value:
-        return "completion"
-    if "text" in value:
-        return "text"
-    return None
-
-
-def _validate(raw: _Raw, fmt: str, format_line: int, findings: list[Finding]):
-    """The record's content for tokenising, or None (with a finding) when it is malformed or empty."""
-    problem = _record_problem(raw.value, fmt)
-    if problem is None:
-        if fmt == "text":
-            return raw.value["text"]
-        if fmt == "completion":
-            return raw.value["prompt"], raw.value["completion"]
-        return raw.value["messages"]
-    (kind, why), line = problem, raw.line
-    if kind == "malformed":
-        findings.append(Finding("data-malformed", line, ERROR, f"line {line}: {why}.",
-                                f"fix or drop the record; this file's records are {fmt} records (format taken from "
-                                f"line {format_line})", "read from the file"))
-    else:
-        findings.append(Finding("data-empty-record", line, WARNING, f"line {line}: {why}: nothing to learn from, "
-                                "and an example whose labels are all masked gives a NaN loss.",
-                                "drop empty records before training", "read from the file"))
-    return None
-
-
-def _record_problem(value, fmt: str) -> tuple[str, str] | None:
-    """("malformed" | "empty", why) for a record that cannot train, None for a usable one."""
-    if _shape(value) != fmt:
-        found = ", ".join(map(str, value)) if isinstance(value, dict) else f"a JSON {type(value).__name__}"
-        return "malformed", f"expected a {fmt} record ({_EXPECTED[fmt]}), found {found}"
-    if fmt == "text":
-        if not isinstance(value["text"], str):
-            return "malformed", f"'text' is a {type(value['text']).__name__}, not a string"
-        return None if value["text"].strip() else ("empty", "'text' is empty")
-    if fmt == "completion":
-        if not isinstance(value["prompt"], str) or not isinstance(value["completion"], str):
-            return "malformed", "'prompt' and 'completion' must be strings"
-        return None if value["completion"].strip() else ("empty", "'completion' is empty")
-    messages = value["messages"]
-    if not isinstance(messages, list):
-        return "malformed", "'messages' must be a list"
-    if not messages:
-        return "empty", "'messages' is an empty list"
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            return "malformed", f"messages[{j}] needs 'role' and 'content'"
-        if not isinstance(m["content"], (str, list)):
-            return "malformed", f"messages[{j}].content is a {type(m['content']).__name__}"
-    if not any(_content_text(m["content"]).strip() for m in messages):
-        return "empty", "every message's content is empty"
-    return None
-
-
-_EXPECTED = {"chat": '{"messages": [{"role", "content"}]}', "completion": '{"prompt", "completion"}',
-             "text": '{"text"}'}
-
-
-def _content_text(content) -> str:
-    """Message content as text: a string, or the text parts of a list of {"type": "text", "text": ...}."""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
-# ---- tokenising ---------------------------------------------------------------------------------------------------
-def load_tokenizer(tokenizer_dir: str):
-    if not os.path.isdir(tokenizer_dir):
-        raise DataError(f"--tokenizer {tokenizer_dir}: no such folder; pass a folder with tokenizer.json / "
-                        "tokenizer_config.json (a downloaded model folder works)")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise DataError("the data scan needs transformers to load the tokenizer (pip install transformers)") from exc
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except Exception as exc:  # transformers raises OSError / ValueError / KeyError depending on what is missing
-        raise DataError(f"--tokenizer {tokenizer_dir}: transformers could not load a tokenizer from it "
-                        f"({exc})") from exc
-
-
-def _tokenise(tok, fmt: str, use_template: bool, texts, findings: list[Finding]) -> tuple[list[int], list[int]]:
-    lines, lengths = [], []
-    if fmt == "completion":
-        prompts = tok([p for _, (p, _) in texts])["input_ids"] if texts else []
-        completions = tok([c for _, (_, c) in texts], add_special_tokens=False)["input_ids"] if texts else []
-        for (line, _), p, c in zip(texts, prompts, completions):
-            lines.append(line)
-            lengths.append(len(p) + len(c))
-        return lines, lengths
-    rendered: list[tuple[int, str]] = []
-    for line, item in texts:
-        if fmt == "text":
-            rendered.append((line, item))
-            continue
-        if not use_template:
-            rendered.append((line, "\n".join(f"{m['role']}: {_content_text(m['content'])}" for m in item)))
-            continue
-        try:
-            rendered.append((line, tok.apply_chat_template(item, tokenize=False)))
-        except Exception as exc:  # jinja errors: roles out of order, unsupported content...
-            findings.append(Finding("data-malformed", line, ERROR,
-                                    f"line {line}: the tokenizer's chat template rejects this conversation ({exc}).",
-                                    "fix the conversation (roles, order) or drop it", "read from the file"))
-    if rendered:
-        # a rendered chat template already holds its special tokens (BOS...)
-        ids = tok([t for _, t in rendered], add_special_tokens=not use_template)["input_ids"]
-        for (line, _), x in zip(rendered, ids):
-            lines.append(line)
-            lengths.append(len(x))
-    return lines, lengths
-
-
-# ---- figures ------------------------------------------------------------------------------------------------------
-def padding_costs(lengths: list[int], seq_len: int, batch_size: int) -> list[PaddingCost]:
-    """Token positions computed for one epoch in file order: pad to seq_len, pad per batch, pack into rows."""
-    clipped = [min(n, seq_len) for n in lengths]
-    real = sum(clipped)
-    to_max = len(clipped) * seq_len
-    dynamic = sum(len(b) * max(b) for b in (clipped[i:i + batch_size] for i in range(0, len(clipped), batch_size)))
-    packed = math.ceil(real / seq_len) * seq_len  # only the last row is padded
-    return [PaddingCost("max_length", to_max, real), PaddingCost("dynamic", dynamic, real),
-            PaddingCost("packing", packed, real)]
-
-
-def histogram(lengths: list[int]) -> list[HistogramBin]:
-    """Power-of-two bins: 1-32, 33-64, 65-128, ... up to the longest record."""
-    if not lengths:
-        return []
-    bins, low, high = [], 1, 32
-    longest = max(lengths)
-    while True:
-        bins.append(HistogramBin(low, high, sum(low <= n <= high for n in lengths)))
-        if high >= longest:
-            break
-        low, high = high + 1, high * 2
-    zero = sum(n == 0 for n in lengths)
-    if zero:
-        bins.insert(0, HistogramBin(0, 0, zero))
-    return bins
-
-
-def _truncation_findings(truncated: list[tuple[int, int]], seq_len: int) -> list[Finding]:
+def _truncation_findings(scan: DataScan) -> list[Finding]:
+    stats = scan.stats
+    truncated = [(r.line, r.tokens) for r in stats.records if r.truncated]
     if not truncated:
         return []
+    seq_len = stats.seq_len_tokens
     lines = ", ".join(str(line) for line, _ in truncated[:10]) + (" ..." if len(truncated) > 10 else "")
-    lost = sum(n - seq_len for _, n in truncated)
     return [Finding("data-truncated", truncated[0][0], WARNING,
-                    f"{_records(len(truncated))} longer than {seq_len} tokens (lines {lines}; the longest "
-                    f"{max(n for _, n in truncated)}): truncating them drops {lost:,} tokens, and without "
-                    "truncation each makes its batch as long as itself.",
+                    f"{_records(len(truncated))} longer than {seq_len} tokens ({scan.unit}s {lines}; the longest "
+                    f"{max(n for _, n in truncated)}): truncating them drops {stats.truncated_tokens:,} tokens, and "
+                    "without truncation each makes its batch as long as itself.",
                     f"keep truncation=True at max_length={seq_len}, raise --seq-len if the tails matter, or split "
-                    "long records", "read from the file with this tokenizer")]
+                    "long records", ENCODED)]
 
 
 def _padding_finding(padding: list[PaddingCost], seq_len: int, batch_size: int) -> Finding:
@@ -433,7 +189,3 @@ def _cap(findings: list[Finding]) -> list[Finding]:
 
 def _records(n: int) -> str:
     return "1 record is" if n == 1 else f"{n:,} records are"
-
-
-def _percentile(sorted_xs: list[int], q: float) -> int:
-    return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))]

@@ -113,8 +113,49 @@ def _est(model_name: str, **setup_fields):
     return estimate(load_model_spec(model_name), TrainSetup(**setup_fields))
 
 
+@lru_cache(maxsize=256)
+def _est_setup(model_name: str, setup, gpu: str | None = None):
+    """fitune's estimate of `setup` on `model_name`, with `gpu`'s cuBLAS workspaces (as `fitune doctor --gpu`)."""
+    from ..memory import estimate
+    from ..specs import load_model_spec
+    from ..specs.gpu import resolve_gpu
+
+    return estimate(load_model_spec(model_name), setup, resolve_gpu(gpu) if gpu else None)
+
+
+def describe_script(script) -> str:
+    """"llama-3.1-8b, LoRA r8 on q_proj,v_proj, 2 x 2048 tokens, bf16, checkpointing full" for a ScriptSetup."""
+    s = script.setup
+    method = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tuning", "freeze": "freeze"}[s.method]
+    if s.method in ("lora", "qlora"):
+        method += f" r{s.lora_rank} on {','.join(s.lora_targets)}"
+    return (f"{script.model}, {method}, {s.batch_size} x {s.seq_len_tokens} tokens, {s.dtype}, checkpointing "
+            f"{s.grad_checkpointing}, {s.attn}, {s.optimizer}")
+
+
+def live(script, fixed: dict, fixed_label: str, as_written: dict | None = None, written_label: str = "as written",
+         term: str | None = None) -> str:
+    """fitune's estimate of this script's own step, as written and with the fix: "fitune estimate (validated ...),
+    this script's step (llama-3.1-8b, LoRA r8 ...): peak 21.99 GiB allocated as written, 17.10 GiB with ..."."""
+    base = _est_setup(script.model, script.setup.replace(**(as_written or {})), script.gpu)
+    fix = _est_setup(script.model, script.setup.replace(**fixed), script.gpu)
+    text = (f"{ESTIMATED}, this script's step ({describe_script(script)}): peak {gib(base.peak_allocated_bytes)} "
+            f"allocated {written_label}, {gib(fix.peak_allocated_bytes)} {fixed_label}")
+    if term:
+        text += (f"; {term.replace('_', ' ')} {gib(base.resident_bytes.get(term, base.breakdown.get(term, 0)))} vs "
+                 f"{gib(fix.resident_bytes.get(term, fix.breakdown.get(term, 0)))}")
+    return text
+
+
 # ---- the evidence each rule quotes ------------------------------------------------------------------------------
-def lora_all_linear(model_name: str = REFERENCE_MODEL) -> str:
+def lora_all_linear(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    measured = (f"measured: {LLAMA_QV_NONE.label}: {_peak(LLAMA_QV_NONE)}; r16 all-linear, same setup: "
+                f"{_peak(LLAMA_ALL_NONE)} ({LLAMA_QV_NONE.cite()} and {LLAMA_ALL_NONE.case}); with checkpointing "
+                f"full: {_peak(LLAMA_QV_FULL)} vs {_peak(LLAMA_ALL_FULL)} (cases {LLAMA_QV_FULL.case} and "
+                f"{LLAMA_ALL_FULL.case})")
+    if script is not None:
+        return (live(script, {"lora_targets": ("q_proj", "v_proj")}, "with target_modules q_proj,v_proj")
+                + ". " + measured)
     qv = _est(model_name)
     al = _est(model_name, lora_targets=("all-linear",))
     saved_qv = qv.phases["forward"].breakdown.get("saved_activations", 0)
@@ -122,9 +163,7 @@ def lora_all_linear(model_name: str = REFERENCE_MODEL) -> str:
     qv_ck = _est(model_name, grad_checkpointing="full")
     al_ck = _est(model_name, lora_targets=("all-linear",), grad_checkpointing="full")
     return (
-        f"measured: {LLAMA_QV_NONE.label}: {_peak(LLAMA_QV_NONE)}; r16 all-linear, same setup: {_peak(LLAMA_ALL_NONE)} "
-        f"({LLAMA_QV_NONE.cite()} and {LLAMA_ALL_NONE.case}); with checkpointing full: {_peak(LLAMA_QV_FULL)} vs "
-        f"{_peak(LLAMA_ALL_FULL)} (cases {LLAMA_QV_FULL.case} and {LLAMA_ALL_FULL.case}). "
+        f"{measured}. "
         f"{ESTIMATED}, {model_name} r8, 2x2048, no checkpointing: saved activations at the end of the forward "
         f"{gib(saved_qv)} (q,v) vs {gib(saved_al)} (all-linear), peak {gib(qv.peak_allocated_bytes)} vs "
         f"{gib(al.peak_allocated_bytes)}; with checkpointing full: {gib(qv_ck.peak_allocated_bytes)} vs "
@@ -132,25 +171,40 @@ def lora_all_linear(model_name: str = REFERENCE_MODEL) -> str:
     )
 
 
-def fp32_weights(model_name: str = REFERENCE_MODEL) -> str:
+_DEFAULT_DTYPE = ("Default dtype: transformers 5 from_pretrained sets dtype='auto' when none is given "
+                  "(modeling_utils.py), transformers 4 loaded float32")
+
+
+def fp32_weights(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    if script is not None and script.setup.method != "qlora":
+        return live(script, {"dtype": "bf16"}, "in bf16", {"dtype": "fp32"}, "with float32 weights",
+                    term="weights") + ". " + _DEFAULT_DTYPE
     bf16 = _est(model_name, grad_checkpointing="full")
     fp32 = _est(model_name, grad_checkpointing="full", dtype="fp32")
     return (f"{ESTIMATED}: {model_name} weights {gib(bf16.resident_bytes['weights'])} in bf16 vs "
             f"{gib(fp32.resident_bytes['weights'])} in fp32; LoRA r8 q,v, 2x2048, checkpointing full: peak "
-            f"{gib(bf16.peak_allocated_bytes)} vs {gib(fp32.peak_allocated_bytes)}. Default dtype: transformers 5 "
-            "from_pretrained sets dtype='auto' when none is given (modeling_utils.py), transformers 4 loaded float32")
+            f"{gib(bf16.peak_allocated_bytes)} vs {gib(fp32.peak_allocated_bytes)}. {_DEFAULT_DTYPE}")
 
 
-def fp16_same_bytes(model_name: str = REFERENCE_MODEL) -> str:
+_FP16_RANGE = ("Reasoned (not measured here): fp16's range ends at 65504 and its normal numbers at 6.1e-5, so it "
+               "needs a loss scaler whose skipped steps slow training; bf16 has float32's range and needs none")
+
+
+def fp16_same_bytes(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    if script is not None and script.setup.dtype != "fp32":
+        return (live(script, {"dtype": "bf16"}, "in bf16", {"dtype": "fp16"}, "in fp16")
+                + f" - both are 2 bytes per value. {_FP16_RANGE}")
     bf16 = _est(model_name, grad_checkpointing="full")
     fp16 = _est(model_name, grad_checkpointing="full", dtype="fp16")
     return (f"{ESTIMATED}: {model_name} LoRA, 2x2048, checkpointing full: peak {gib(bf16.peak_allocated_bytes)} in "
-            f"bf16, {gib(fp16.peak_allocated_bytes)} in fp16 - both are 2 bytes per value. Reasoned (not measured "
-            "here): fp16's range ends at 65504 and its normal numbers at 6.1e-5, so it needs a loss scaler whose "
-            "skipped steps slow training; bf16 has float32's range and needs none")
+            f"bf16, {gib(fp16.peak_allocated_bytes)} in fp16 - both are 2 bytes per value. {_FP16_RANGE}")
 
 
-def seq_len_cost(model_name: str = REFERENCE_MODEL) -> str:
+def seq_len_cost(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    if script is not None and script.setup.seq_len_tokens >= 2:
+        n = script.setup.seq_len_tokens
+        return live(script, {"seq_len_tokens": n // 2}, f"when the batch's longest example has {n // 2} tokens",
+                    written_label=f"padded to {n}") + ": a padding token costs what a real one does"
     s2048 = _est(model_name, grad_checkpointing="full")
     s1024 = _est(model_name, grad_checkpointing="full", seq_len_tokens=1024)
     n2048 = _est(model_name)
@@ -160,14 +214,23 @@ def seq_len_cost(model_name: str = REFERENCE_MODEL) -> str:
             f" vs {gib(n1024.peak_allocated_bytes)} without: a padding token costs what a real one does")
 
 
-def long_example_cost() -> str:
-    return (f"measured: {LLAMA_QV_FULL.label}: {_peak(LLAMA_QV_FULL)}; one 8192-token sequence instead "
-            f"({LLAMA_QV_8192_FULL.label}): {_peak(LLAMA_QV_8192_FULL)} ({LLAMA_QV_FULL.cite()} and "
-            f"{LLAMA_QV_8192_FULL.case}). With dynamic padding one untruncated long example pads its whole batch "
-            "to its length")
+def long_example_cost(script=None) -> str:
+    measured = (f"measured: {LLAMA_QV_FULL.label}: {_peak(LLAMA_QV_FULL)}; one 8192-token sequence instead "
+                f"({LLAMA_QV_8192_FULL.label}): {_peak(LLAMA_QV_8192_FULL)} ({LLAMA_QV_FULL.cite()} and "
+                f"{LLAMA_QV_8192_FULL.case}). With dynamic padding one untruncated long example pads its whole batch "
+                "to its length")
+    if script is not None:
+        n = script.setup.seq_len_tokens
+        return (live(script, {"seq_len_tokens": n}, f"truncated to {n}", {"seq_len_tokens": 2 * n},
+                     f"when a batch meets one {2 * n}-token example") + ". " + measured)
+    return measured
 
 
-def doubled_sequence(model_name: str = REFERENCE_MODEL) -> str:
+def doubled_sequence(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    if script is not None:
+        n = script.setup.seq_len_tokens
+        return live(script, {"seq_len_tokens": n}, f"at the {n} tokens intended", {"seq_len_tokens": 2 * n},
+                    f"with the sequence doubled ({2 * n} tokens)")
     s2048 = _est(model_name, grad_checkpointing="full")
     s4096 = _est(model_name, grad_checkpointing="full", seq_len_tokens=4096)
     return (f"{ESTIMATED}: {model_name} LoRA r8 q,v, batch 2, checkpointing full: peak "
@@ -175,7 +238,10 @@ def doubled_sequence(model_name: str = REFERENCE_MODEL) -> str:
             "sequence doubled)")
 
 
-def full_finetune_optimizer(model_name: str = REFERENCE_MODEL) -> str:
+def full_finetune_optimizer(model_name: str = REFERENCE_MODEL, script=None) -> str:
+    if script is not None and script.setup.method == "full":
+        return live(script, {"optimizer": "adamw8bit"}, "with adamw8bit", {"optimizer": "adamw"}, "with AdamW",
+                    term="optimizer_states")
     adamw = _est(model_name, method="full", grad_checkpointing="full")
     adam8 = _est(model_name, method="full", grad_checkpointing="full", optimizer="adamw8bit")
     lora = _est(model_name, grad_checkpointing="full")
@@ -185,14 +251,18 @@ def full_finetune_optimizer(model_name: str = REFERENCE_MODEL) -> str:
             f" vs {gib(adam8.peak_allocated_bytes)} (LoRA r8 q,v: {gib(lora.peak_allocated_bytes)})")
 
 
-def eager_attention() -> str:
+def eager_attention(script=None) -> str:
     per_seq_sdpa = LLAMA_QV_NONE.saved_tensor_bytes // 2
-    return (f"measured: autograd saved {gib(LLAMA_EAGER_NONE.saved_tensor_bytes)} per 2048-token sequence with eager "
-            f"attention ({LLAMA_EAGER_NONE.label}) vs {gib(per_seq_sdpa)} with sdpa (half of case "
-            f"{LLAMA_QV_NONE.case}'s 2 sequences) ({LLAMA_EAGER_NONE.cite()} and {LLAMA_QV_NONE.case}): eager keeps "
-            f"each layer's batch x heads x seq x seq attention probabilities; with checkpointing the difference "
-            f"nearly vanishes ({GEMMA_EAGER_FULL.label}: {_peak(GEMMA_EAGER_FULL)}; sdpa: {_peak(GEMMA_SDPA_FULL)}; "
-            f"{HF_RECIPE} {GEMMA_EAGER_FULL.group} cases {GEMMA_EAGER_FULL.case} and {GEMMA_SDPA_FULL.case})")
+    measured = (f"measured: autograd saved {gib(LLAMA_EAGER_NONE.saved_tensor_bytes)} per 2048-token sequence with "
+                f"eager attention ({LLAMA_EAGER_NONE.label}) vs {gib(per_seq_sdpa)} with sdpa (half of case "
+                f"{LLAMA_QV_NONE.case}'s 2 sequences) ({LLAMA_EAGER_NONE.cite()} and {LLAMA_QV_NONE.case}): eager "
+                f"keeps each layer's batch x heads x seq x seq attention probabilities; with checkpointing the "
+                f"difference nearly vanishes ({GEMMA_EAGER_FULL.label}: {_peak(GEMMA_EAGER_FULL)}; sdpa: "
+                f"{_peak(GEMMA_SDPA_FULL)}; {HF_RECIPE} {GEMMA_EAGER_FULL.group} cases {GEMMA_EAGER_FULL.case} and "
+                f"{GEMMA_SDPA_FULL.case})")
+    if script is not None:
+        return live(script, {"attn": "sdpa"}, "with sdpa", {"attn": "eager"}, "with eager") + ". " + measured
+    return measured
 
 
 def allocator_flushes_itself() -> str:
@@ -204,37 +274,25 @@ def allocator_flushes_itself() -> str:
             "fails")
 
 
-def checkpointing_effect() -> str:
+def checkpointing_effect(script=None) -> str:
+    measured = checkpointing_measured()
+    if script is not None:
+        return live(script, {"grad_checkpointing": "full"}, "recomputing", {"grad_checkpointing": "none"},
+                    "without recomputation") + ". " + measured
+    return measured
+
+
+def checkpointing_measured() -> str:
     return (f"measured: {LLAMA_QV_NONE.label}: {_peak(LLAMA_QV_NONE)}, {LLAMA_QV_NONE.tokens_per_s} tokens/s; "
             f"checkpointing full: {_peak(LLAMA_QV_FULL)}, {LLAMA_QV_FULL.tokens_per_s} tokens/s "
             f"({LLAMA_QV_NONE.cite()} and {LLAMA_QV_FULL.case})")
 
 
-@lru_cache(maxsize=1)
-def _catalog_by_hf_id() -> dict[str, str]:
-    from ..specs.model import model_catalog
-
-    out = {}
-    for name, entry in model_catalog().items():
-        out[name.lower()] = name
-        hf_id = entry.get("hf_id", "")
-        if hf_id:
-            out[hf_id.lower()] = name
-            out[hf_id.lower().rsplit("/", 1)[-1]] = name
-    return out
-
-
 def catalog_name(model_id: str) -> str | None:
     """"meta-llama/Llama-3.1-8B-Instruct" or "llama-3.1-8b" -> the catalog name; None when not in the catalog."""
-    key = model_id.strip().lower()
-    by_id = _catalog_by_hf_id()
-    if key in by_id:
-        return by_id[key]
-    base = key.rsplit("/", 1)[-1]
-    for suffix in ("-instruct", "-it", "-chat", "-hf", "-base"):
-        if base.endswith(suffix) and base[: -len(suffix)] in by_id:
-            return by_id[base[: -len(suffix)]]
-    return None
+    from .extract import catalog_model
+
+    return catalog_model(model_id)
 
 
 def param_count(model_name: str) -> int:

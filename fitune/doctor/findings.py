@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..errors import FituneError
+from ..errors import DataError, FituneError  # noqa: F401  (DataError: fitune.doctor's public name)
 
 ERROR = "error"
 """Wrong: the run fails, trains nothing, or silently does not do what the script asks."""
@@ -58,7 +58,3 @@ def worst_exit_code(findings) -> int:
 
 class ScriptError(FituneError):
     """The script cannot be read or parsed (missing, not UTF-8, not Python)."""
-
-
-class DataError(FituneError):
-    """The data file or tokenizer cannot be used at all (missing, empty, no valid record)."""

@@ -32,6 +32,9 @@ TRAINER_CONFIGS = ("SFTConfig", "DPOConfig", "ORPOConfig", "KTOConfig", "GRPOCon
 PEFT_CALLS = ("get_peft_model", "LoraConfig", "AdaLoraConfig", "IA3Config", "LoHaConfig", "LoKrConfig",
               "prepare_model_for_kbit_training", "add_adapter", "inject_adapter_in_model")
 GRAD_OFF_CONTEXTS = ("no_grad", "inference_mode")
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: a / b}
+"""Arithmetic on literals the index evaluates (`2 * 256`, `MAX_LEN // 2`)."""
 DTYPE_ALIASES = {
     "float32": "fp32", "float": "fp32", "fp32": "fp32",
     "bfloat16": "bf16", "bf16": "bf16",
@@ -122,10 +125,17 @@ class ScriptIndex:
     attr_defaults: dict[str, object] = field(default_factory=dict)
     """attribute -> literal: argparse `--max-length` defaults and dataclass field defaults (`args.max_length`)."""
     class_bases: dict[str, list[str]] = field(default_factory=dict)
+    setup_overrides: dict = field(default_factory=dict)
+    """TrainSetup fields given on the command line (`fitune doctor --seq-len 4096`): they win over the script."""
+    model_override: str | None = None
+    """`fitune doctor --model NAME`: the model to estimate when the script's is not recognised."""
+    gpu: str | None = None
+    """`fitune doctor --gpu`: the GPU the script's estimates are judged on (default rtx4090)."""
 
     @classmethod
-    def build(cls, tree: ast.Module) -> "ScriptIndex":
-        ix = cls(tree)
+    def build(cls, tree: ast.Module, setup_overrides: dict | None = None, model_override: str | None = None,
+              gpu: str | None = None) -> "ScriptIndex":
+        ix = cls(tree, setup_overrides=dict(setup_overrides or {}), model_override=model_override, gpu=gpu)
         ix._collect_imports()
         ix._collect_constants()
         _Walker(ix).visit_body(tree.body, _Context())
@@ -167,6 +177,14 @@ class ScriptIndex:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             v = self.value(node.operand)
             return -v if isinstance(v, (int, float)) and not isinstance(v, bool) else UNKNOWN
+        if isinstance(node, ast.BinOp) and isinstance(node.op, tuple(_ARITHMETIC)):  # lora_alpha=2 * 256
+            left, right = self.value(node.left), self.value(node.right)
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
+                try:
+                    return _ARITHMETIC[type(node.op)](left, right)
+                except ZeroDivisionError:
+                    return UNKNOWN
+            return UNKNOWN
         if isinstance(node, ast.Name):
             if node.id in self.constants:
                 return self.constants[node.id]
@@ -198,6 +216,13 @@ class ScriptIndex:
         return self.value(node) is False
 
     # ---- facts the rules share ------------------------------------------------------------------------------------
+    @cached_property
+    def script_setup(self):
+        """The model and TrainSetup the script runs, each field with its lines (extract.py)."""
+        from .extract import extract_setup
+
+        return extract_setup(self, self.setup_overrides, self.model_override, self.gpu)
+
     def calls_named(self, *tails: str) -> list[Call]:
         return [c for c in self.calls if c.tail in tails]
 

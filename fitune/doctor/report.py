@@ -75,3 +75,83 @@ def format_data_report(report) -> str:
     if report.findings:
         lines += ["", f"{count_text(list(report.findings))}:", "", format_findings(list(report.findings), report.path)]
     return "\n".join(lines)
+
+
+FIELD_LABELS = {"model": "model", "method": "method", "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha",
+                "lora_dropout": "LoRA dropout", "lora_targets": "LoRA targets", "dtype": "dtype",
+                "grad_checkpointing": "checkpointing", "attn": "attention", "optimizer": "optimizer",
+                "batch_size": "micro-batch", "seq_len_tokens": "seq len (tokens)", "grad_accum": "grad accumulation",
+                "keep_outputs": "output kept in backward"}
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def _value_text(v) -> str:
+    if isinstance(v, tuple):
+        return ",".join(v)
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def _lines_text(lines) -> str:
+    if not lines:
+        return ""
+    return ("line " if len(lines) == 1 else "lines ") + ", ".join(str(n) for n in lines)
+
+
+def format_script_setup(script, path: str) -> str:
+    """The setup read from the script: each field with its lines; then what was assumed, with the flag to set it."""
+    s = script.setup
+    lora = s.method in ("lora", "qlora")
+    shown = [f for f in FIELD_LABELS if lora or f not in LORA_FIELDS]
+    read = [f for f in shown if script.fields[f].origin in ("script", "flag")]
+    assumed = [f for f in shown if script.fields[f].assumed]
+    lines = [f"{path}, as written ({script.style} script):"]
+    for f in read:
+        r = script.fields[f]
+        value = _value_text(getattr(s, f, r.value)) if f != "model" else script.model
+        where = "flag" if r.origin == "flag" else _lines_text(r.lines)
+        lines.append(f"  {FIELD_LABELS[f]:24s} {value:28s} {where:14s} {_short(r.why)}".rstrip())
+    if assumed:
+        lines.append("  not in the script (assumed; the flag sets it):")
+        for f in assumed:
+            r = script.fields[f]
+            value = _value_text(getattr(s, f, r.value)) if f != "model" else script.model
+            lines.append(f"  {FIELD_LABELS[f]:24s} {value:28s} {r.flag:14s} {_short(r.why)}".rstrip())
+    for n in script.notes:
+        lines.append(_wrap(f"note: {n}", "  ", "        "))
+    return "\n".join(lines)
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
+
+
+def format_fixes(diagnosis) -> str:
+    """The fixes, ranked, each with its lines to change, memory and predicted speed; then fitune plan's best."""
+    from ..units import gib
+
+    est = diagnosis.estimate
+    gpu = est.gpu
+    lines = []
+    if diagnosis.needs_fix:
+        if diagnosis.fixes:
+            lines.append(f"what to change so that it fits the {gpu.name} (ranked as `fitune plan` ranks plans; "
+                         f"predicted {gpu.name} tokens/s, as written {diagnosis.tokens_per_s:,.0f} if it fit):")
+            for i, f in enumerate(diagnosis.fixes, 1):
+                note = ", allocator retries" if f.retries_expected else ""
+                lines.append(f"  {i}. {f.change}: {gib(f.peak_allocated_bytes)} allocated, "
+                             f"{gib(f.peak_reserved_bytes)} reserved{note}; {f.tokens_per_s:,.0f} tokens/s "
+                             f"({f.speed_change:+.0%})")
+                for e in f.edits:
+                    lines.append(_wrap(e, "       ", "         "))
+                if f.cost != "none":
+                    lines.append(_wrap(f"cost: {f.cost}", "       ", "             "))
+        else:
+            lines.append(f"no change to this script that fitune tries makes it fit the {gpu.name}")
+    p = diagnosis.runner_plan
+    if p is not None:
+        lines.append(_wrap(f"on fitune's own runner: `{p.command}` -> {p.description}, {gib(p.peak_reserved_bytes)} "
+                           f"reserved, {p.tokens_per_s:,.0f} tokens/s (then --write plan.yaml and `fitune train "
+                           "plan.yaml`, or --emit hf)", "  ", "    "))
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ What it watches, step by step:
 - numerics: non-finite losses and gradients; a GradScaler whose scale keeps falling or collapses (fp16).
 - the allocator: `num_alloc_retries` growing (cudaMalloc failed, the cache was flushed and the call retried).
 - leaks: live bytes after the step rising in every one of N consecutive steps.
-- an OOM inside `monitor.watch()`: the post-mortem of `fitune.profile.oom` when available.
+- an OOM inside `monitor.watch()`: the post-mortem of `fitune.runtime.oom` when available.
 
 Findings are collected as data (`findings()`); nothing here prints. Every public method and hook swallows its own
 errors (logging one warning) so that the monitor can never stop the user's training.
@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from ..runtime.layers import find_decoder_layers
+from ..runtime.oom import is_oom
 from ..units import MiB, gib, human_bytes
 from .findings import ERROR, WARNING, Finding, sort_findings
 
@@ -285,8 +287,9 @@ class RunMonitor:
         """Run the training inside: a CUDA out-of-memory error gets a post-mortem, then propagates unchanged."""
         try:
             yield self
-        except torch.OutOfMemoryError as exc:
-            self.handle_oom(exc)
+        except Exception as exc:
+            if is_oom(exc):  # torch.OutOfMemoryError, or a RuntimeError saying "out of memory" (cuBLAS, NCCL)
+                self.handle_oom(exc)
             raise
 
     def handle_oom(self, exc: BaseException) -> str:
@@ -294,7 +297,7 @@ class RunMonitor:
         where = f"step {self._current.step}, {self._phase or 'outside a step'}" if self._current else "before any step"
         text = ""
         try:
-            from ..profile.oom import format_report, report_oom  # fitune profile's post-mortem
+            from ..runtime.oom import format_report, report_oom  # fitune's OOM post-mortem
         except ImportError:
             report_oom = None
         if report_oom is not None:
@@ -306,10 +309,10 @@ class RunMonitor:
                     extra = {"setup": self._setup, "model_spec": load_model_spec(self._model_name)}
                 text = format_report(report_oom(exc, model=self.model, **extra))  # report_oom prints it too
             except Exception as inner:  # the post-mortem must not hide the OOM: fall back below
-                logger.warning("fitune doctor: fitune.profile.oom.report_oom failed: %r", inner)
+                logger.warning("fitune doctor: fitune.runtime.oom.report_oom failed: %r", inner)
         if not text:
             text = (f"CUDA out of memory ({where}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
-                    "fitune's OOM post-mortem (fitune.profile.oom) did not run here; the per-phase peaks of the "
+                    "fitune's OOM post-mortem (fitune.runtime.oom) did not run here; the per-phase peaks of the "
                     "steps before are in this monitor's report, and `fitune estimate` shows what the setup needs.")
             logger.warning("fitune doctor: %s", text)
         self.oom = Finding("cuda-oom", None, ERROR, f"CUDA out of memory at {where}.",
@@ -564,19 +567,6 @@ class RunMonitor:
         logger.warning("fitune doctor: run checks stopped after an internal error (training continues): %r", exc)
         with contextlib.suppress(Exception):
             self.close()
-
-
-def find_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated decoder blocks: transformers' GradientCheckpointingLayer instances, else the longest
-    nn.ModuleList whose children share one class."""
-    layers = [m for m in model.modules() if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
-    if layers:
-        return layers
-    best: list[torch.nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
-            best = list(m)
-    return best
 
 
 def _default_probe(model: torch.nn.Module) -> MemoryProbe:

@@ -23,12 +23,12 @@ import json
 import logging
 import os
 
-import torch
 from transformers import TrainerCallback
 
 from ..doctor.findings import Finding
 from ..doctor.report import count_text, format_findings
 from ..doctor.runtime import MemoryProbe, MonitorLimits, RunMonitor
+from ..runtime.oom import is_oom
 
 logger = logging.getLogger("fitune.doctor")
 
@@ -112,7 +112,9 @@ class FituneCallback(TrainerCallback):
         """Wrap `trainer.train()`: on CUDA out-of-memory, report the post-mortem and the findings so far, re-raise."""
         try:
             yield self
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
+            if not is_oom(exc):  # torch.OutOfMemoryError, or a RuntimeError saying "out of memory"
+                raise
             with contextlib.suppress(Exception):
                 if self.monitor is not None:
                     self.monitor.handle_oom(exc)

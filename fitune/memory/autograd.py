@@ -62,6 +62,8 @@ class Autograd:
     _on_return: list = field(default_factory=list)
     forward_end: list = field(default_factory=list)
     """Tensors Python holds until the model's forward returns (e.g. the KV cache); freed by the caller."""
+    _held: set = field(default_factory=set)
+    """Ids of tensors Python still references after autograd is done with them (`hold`)."""
 
     # ---- forward side ---------------------------------------------------------------------------------
     def new(self, nbytes: int, requires_grad: bool, label: str, category: str = TRANSIENTS) -> Tensor:
@@ -79,10 +81,21 @@ class Autograd:
         self.forward_end.extend(tensors)
 
     def drop(self, *tensors: Tensor | None) -> None:
-        """Python drops its reference: free unless autograd saved the tensor."""
+        """Python drops its reference: free unless autograd saved the tensor (or Python `hold`s it elsewhere)."""
         for t in tensors:
-            if t is not None and self._saved_refs.get(t.tid, 0) == 0:
+            if t is not None and t.tid not in self._held and self._saved_refs.get(t.tid, 0) == 0:
                 self.tape.free(t.tid)
+
+    def hold(self, *tensors: Tensor | None) -> None:
+        """Python keeps these alive past their last use (a script's `out` kept through backward): backward
+        releasing what it saved does not free them; `release_held` does."""
+        self._held.update(t.tid for t in tensors if t is not None)
+
+    def release_held(self) -> None:
+        for tid in sorted(self._held):
+            if self._saved_refs.get(tid, 0) <= 0:
+                self.tape.free(tid)
+        self._held.clear()
 
     def record(self, output: Tensor | None, inputs: list[Tensor], saved: list[Tensor], grad_bytes: list[int] | None = None,
                extra_bytes: int | tuple[int, ...] = 0, param_grad_bytes: int = 0, label: str = "",
@@ -153,7 +166,7 @@ class Autograd:
         for t in saved:
             n = self._saved_refs.get(t.tid, 0) - 1
             self._saved_refs[t.tid] = n
-            if n <= 0:
+            if n <= 0 and t.tid not in self._held:
                 self.tape.free(t.tid)
 
     def backward(self) -> None:

@@ -26,8 +26,8 @@ from .layers import FP32, LayerContext, decoder_layer
 TILE_TOKENS = 2048
 #: Rows per tile of fitune's lean RMSNorm (fitune.train.techniques.lean_norm.TILE_TOKENS).
 LEAN_NORM_ROWS = 8192
-from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, LOGITS, OPTIMIZER,
-                   OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Tape, replay)
+from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
+                   OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Event, Tape, replay)
 
 ALLOCATOR_OVERHEAD = "allocator_overhead"
 
@@ -107,6 +107,10 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     """
     setup.validate(num_layers=model.num_layers, hidden_size=model.hidden_size, linear_names=model.linear_names())
     notes: list[str] = []
+    if setup.lora_dropout and setup.method in ("lora", "qlora"):
+        notes.append(f"lora_dropout {setup.lora_dropout:g} is not in this estimate: with dropout PEFT keeps a "
+                     "dropped-out copy of each adapter input and its mask, which no measured case has covered "
+                     "(every measured case used 0, PEFT's default)")
     w = weights.DTYPE_BYTES[setup.dtype]
     if setup.method == "qlora":
         w = 2  # NF4 storage, bf16 compute
@@ -150,12 +154,21 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         lean_lora=setup.lean_lora, lean_norm_rows=LEAN_NORM_ROWS if setup.lean_norm else 0,
         liger=setup.kernels == "liger",
     )
+    step_start = len(tape.events)
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
     labels = tape.alloc(8 * T, ACTIVATIONS, "shift_labels")
     cos_sin = tape.alloc(overheads.rope_cache_bytes(model, s, w), ACTIVATIONS, "rope cos/sin")
     mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
     x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
+    if setup.method == "full":
+        # The embedding's backward (embedding_dense_backward) writes a vocab x hidden gradient at the very end of
+        # backward: a new parameter gradient, or with tied weights a temporary summed into lm_head's .grad.
+        emb_grad = w * model.vocab_size * model.hidden_size
+        if model.tie_word_embeddings:
+            ag.record(x, [], [], [], extra_bytes=emb_grad, label="embedding (tied)")
+        else:
+            ag.record(x, [], [], [], param_grad_bytes=emb_grad, label="embedding")
     if inputs_require_grad and mode == "none":
         ag.save_only([x], "embedding output")  # kept alive with requires_grad (measured: 2 x h bytes/token)
     host_bytes = 0
@@ -180,14 +193,20 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     if setup.loss == "chunked":
         loss = loss_terms.chunked_loss(ag, model, h, T, w)
     else:
-        loss = loss_terms.hf_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full")
+        loss = loss_terms.hf_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full",
+                                  keep_outputs=setup.keep_outputs)
     ag.drop(h)
+    if setup.keep_outputs:  # `out = model(**batch)` holds its logits and KV cache until the step ends
+        ag.hold(*ag.forward_end)
     ag.drop(*ag.forward_end)  # the model output (logits, KV cache) is dropped once `.loss` is read
     tape.free(mask)
     # ---- backward --------------------------------------------------------------------------------------
     ag.seed_grad(loss, FP32, "grad:loss")
     ag.backward()
+    ag.release_held()  # `out` is rebound by the next step's forward: gone before the optimizer step ends
     tape.free(cos_sin, ids, labels, loss.tid)
+    if setup.grad_accum > 1:
+        _next_micro_batch(tape, step_start)
     # ---- optimizer step --------------------------------------------------------------------------------
     tape.phase = OPTIMIZER_STEP
     step_tmp = tape.alloc(opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes), TRANSIENTS, "optimizer step")
@@ -230,6 +249,20 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         gpu=gpu,
         notes=tuple(notes),
     )
+
+
+def _next_micro_batch(tape: Tape, start: int) -> None:
+    """Gradient accumulation: the next micro-batch runs the same forward and backward with the first one's
+    parameter gradients still resident, and autograd adds each new parameter gradient into `.grad` in place
+    (AccumulateGrad: allocated by the op, summed, freed). Appends those events: the tape of the first
+    micro-batch with every parameter-gradient allocation followed by its free. Later micro-batches repeat the
+    second one exactly, so one more is enough for the peak (the trace engine checks it: fitune/trace)."""
+    window = tape.events[start:]
+    offset = 1 << 40  # new tensor ids, apart from the first micro-batch's
+    for ev in window:
+        tape.events.append(Event(ev.tid + offset, ev.nbytes, ev.category, ev.phase, ev.label, ev.retag))
+        if ev.nbytes > 0 and not ev.retag and ev.category == GRADIENTS:
+            tape.events.append(Event(ev.tid + offset, -ev.nbytes, ev.category, ev.phase, ev.label + " (summed into .grad)"))
 
 
 def _live_at_end_of_forward(events, categories) -> int:

@@ -24,8 +24,12 @@ FP32 = 4
 CHUNK_TOKENS = 1024
 
 
-def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, lm_head_trainable: bool) -> Tensor:
-    """lm_head + ForCausalLMLoss. Returns the (scalar) loss tensor; records the backward."""
+def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, lm_head_trainable: bool,
+            keep_outputs: bool = False) -> Tensor:
+    """lm_head + ForCausalLMLoss. Returns the (scalar) loss tensor; records the backward.
+
+    `keep_outputs`: the script keeps the model output (`out = model(**batch); out.loss.backward()`), so the
+    model-dtype logits it holds stay live through backward (`Autograd.hold`; the caller releases them after)."""
     V, w = model.vocab_size, act_bytes
     logits = ag.new(w * V * tokens, True, "logits", LOGITS)
     ag.record(logits, [h], [h] if lm_head_trainable else [], [h.nbytes],
@@ -54,7 +58,10 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
     loss = ag.new(FP32, True, "loss", LOGITS)
     ag.record(loss, [logp], [], [FP32 * V * tokens], label="nll_loss")
     ag.drop(logp)
-    ag.drop(keep)
+    if keep_outputs:
+        ag.hold(keep)
+    else:
+        ag.drop(keep)
     return loss
 
 

@@ -103,7 +103,10 @@ def replay(events: list[Event], start_live: dict[str, int]) -> dict[str, PhasePe
         live[k] = live.get(k, 0) + v
     total = sum(live.values())
     best: dict[str, PhasePeak] = {}
+    at_start: dict[str, PhasePeak] = {}  # what is live when a phase begins: its peak if it allocates nothing
     for ev in events:
+        if ev.phase not in at_start:
+            at_start[ev.phase] = PhasePeak(total, dict(live), "")
         live[ev.category] = live.get(ev.category, 0) + ev.nbytes
         total += ev.nbytes
         if ev.nbytes > 0 and not ev.retag:
@@ -111,6 +114,6 @@ def replay(events: list[Event], start_live: dict[str, int]) -> dict[str, PhasePe
             if cur is None or total > cur.peak_bytes:
                 best[ev.phase] = PhasePeak(total, dict(live), ev.label)
     for phase in PHASES:
-        if phase not in best:
-            best[phase] = PhasePeak(sum(start_live.values()), dict(live), "")
+        if phase not in best:  # e.g. SGD's step: in place, no allocation; the gradients are still live
+            best[phase] = at_start.get(phase) or PhasePeak(sum(start_live.values()), dict(live), "")
     return best

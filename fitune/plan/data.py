@@ -1,8 +1,8 @@
 """What the training data says about the plan: its token lengths set the sequence length and whether packing pays.
 
-The lengths come from fitune's runner's own tokenisation (`fitune.train.data.read_records` /
-`tokenize_records`) when that module is installed, else from `fitune doctor`'s data scan (the same formats and chat
-template rule). Both need transformers for the tokenizer; they are imported only when `--data` is given.
+The lengths are those `fitune train` trains on: the file is read and encoded by `fitune.data` (the same reader,
+format detection, chat template, special prefix and eos as training), before truncation. transformers is imported
+only when `--data` is given, to load the tokenizer.
 
 Batching without packing is dynamic padding, as fitune's runner does it: each micro-batch padded to its longest
 example, the examples in a shuffled order (the runner shuffles; a fixed seed here). With packing, examples are laid
@@ -14,12 +14,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..data import load_tokenizer, read_records, tokenize_records
+from ..data.stats import percentile
+
 #: Sequence lengths are rounded up to a multiple of this (tensor-core friendly shapes).
 SEQ_LEN_MULTIPLE = 64
 #: The share of examples the chosen sequence length may truncate (the 99th percentile sets it).
 TRUNCATE_SHARE = 0.01
 #: Packing is turned on when it removes at least this share of the computed token positions (padding).
 PACKING_MIN_GAIN = 0.10
+#: A sequence length no record reaches: profile_data measures whole records.
+NO_TRUNCATION_TOKENS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class DataProfile:
     lengths_tokens: tuple[int, ...]
     """Tokens of each example before truncation, in file order."""
     source: str
-    """Which tokenisation produced them: fitune.train.data or fitune.doctor.data."""
+    """Which tokenisation produced them ("fitune.data": fitune train's own)."""
 
     @property
     def examples(self) -> int:
@@ -41,8 +46,7 @@ class DataProfile:
         return sum(self.lengths_tokens) / len(self.lengths_tokens) if self.lengths_tokens else 0.0
 
     def percentile_tokens(self, q: float) -> int:
-        xs = sorted(self.lengths_tokens)
-        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+        return percentile(sorted(self.lengths_tokens), q)
 
     @property
     def max_tokens(self) -> int:
@@ -93,42 +97,13 @@ def packing_pays(profile: DataProfile, seq_len_tokens: int, micro_batch: int) ->
 
 
 def profile_data(path: str, tokenizer_dir: str) -> DataProfile:
-    """Tokenise `path` with the tokenizer in `tokenizer_dir` and return every example's length.
+    """Encode `path` as `fitune train` does, with the tokenizer in `tokenizer_dir`, and return the length of every
+    record with something to train on, before truncation (choose_seq_len then counts what a length truncates).
 
     Raises:
-        DataError (a FituneError): the file or tokenizer cannot be read, or no example could be tokenised.
+        DataError (a FituneError): the file or tokenizer cannot be read, a record is bad (as training would stop on
+            it), or no record has a token to train on.
     """
-    lengths = _lengths_from_runner(path, tokenizer_dir)
-    if lengths is not None:
-        return DataProfile(path, tuple(lengths), "fitune.train.data")
-    from ..doctor.data import scan_data
-
-    report = scan_data(path, tokenizer_dir, seq_len_tokens=1 << 30)
-    return DataProfile(path, tuple(report.lengths_tokens), "fitune.doctor.data")
-
-
-def _lengths_from_runner(path: str, tokenizer_dir: str) -> list[int] | None:
-    """The runner's tokenisation, if fitune.train.data exists with the API the loop uses; None otherwise."""
-    try:
-        from ..train import data as train_data
-    except ImportError:
-        return None
-    read, tokenize = getattr(train_data, "read_records", None), getattr(train_data, "tokenize_records", None)
-    if read is None or tokenize is None:
-        return None
-    from ..doctor.data import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_dir)
-    try:
-        examples, _ = tokenize(read(path), tok, None, 1 << 30)
-    except TypeError:  # a different signature than the loop's: use the doctor's scan instead
-        return None
-    lengths = []
-    for ex in examples:
-        ids = getattr(ex, "input_ids", None)
-        if ids is None and isinstance(ex, dict):
-            ids = ex.get("input_ids")
-        if ids is None:
-            return None
-        lengths.append(len(ids))
-    return lengths or None
+    # no truncation here: the plan chooses the sequence length from the whole lengths
+    _, stats = tokenize_records(read_records(path), load_tokenizer(tokenizer_dir), None, NO_TRUNCATION_TOKENS)
+    return DataProfile(path, stats.lengths_tokens, "fitune.data")

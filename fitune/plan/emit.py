@@ -1,7 +1,7 @@
 """A plan in the two forms users run: a `fitune train` config (YAML) and the equivalent Hugging Face code.
 
 The YAML is `TrainConfig.to_dict()` of the plan (so its keys are the runner's own), written without PyYAML;
-tests/test_plan.py reads it back with PyYAML and passes it to `fitune.train.config.config_from_dict`.
+tests/test_plan.py reads it back with PyYAML and passes it to `fitune.config.config_from_dict`.
 The Hugging Face code mirrors what the plan was estimated as (fitune's runner = the HF recipe of
 fitune/profile/hf_recipe.py): bf16 weights (or NF4 with double quantisation for QLoRA), LoRA dropout 0, non-reentrant
 checkpointing, `use_cache=False`, no `prepare_model_for_kbit_training` (it upcasts the non-quantised weights to
@@ -52,7 +52,7 @@ def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | 
     With --gpus N the config is the single-GPU equivalent (fitune train runs one GPU): the same micro-batch and
     N times the accumulation, so the effective batch is unchanged.
     """
-    from ..train.config import DataConfig, TrainConfig
+    from ..config import DataConfig, TrainConfig
 
     s = plan.setup.replace(grad_accum=plan.setup.grad_accum * plan.num_gpus)
     model, _ = model_location(model_arg)
@@ -66,7 +66,8 @@ def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | 
 
 def to_yaml(doc: dict, comments: list[str] = ()) -> str:
     """Block YAML for a flat mapping whose values are scalars, lists of scalars or one-level mappings."""
-    lines = [f"# {c}" if c else "#" for c in comments]
+    # A comment is one line: a newline in what the user typed (a path) must not start a YAML key.
+    lines = [f"# {' '.join(str(c).splitlines())}" if c else "#" for c in comments]
     for key, value in doc.items():
         if isinstance(value, dict):
             lines.append(f"{key}:")
@@ -163,7 +164,7 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     body += ["import torch", *imports]
     if techniques:
         body += ["# fitune's techniques that this plan's memory estimate counts on (pip install fitune; each is exact)"]
-        body += [f"from fitune.train.techniques.{module} import {name}" for module, name, _ in techniques]
+        body += [f"from fitune.runtime.techniques.{module} import {name}" for module, name, _ in techniques]
     body.append("")
     body += load
     body.append("model.config.use_cache = False  # no KV cache in training")

@@ -82,6 +82,7 @@ class PlanRequest:
     methods: tuple[str, ...] = DEFAULT_METHODS
     lora_rank: int = DEFAULT_SETUP.lora_rank
     lora_alpha: int = DEFAULT_SETUP.lora_alpha
+    lora_dropout: float = DEFAULT_SETUP.lora_dropout
     lora_targets: tuple[str, ...] = DEFAULT_SETUP.lora_targets
     freeze_trainable_layers: int = DEFAULT_SETUP.freeze_trainable_layers
     attns: tuple[str, ...] = DEFAULT_ATTNS
@@ -274,7 +275,8 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
 
 
 def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup:
-    s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_targets=req.lora_targets,
+    s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_dropout=req.lora_dropout,
+                   lora_targets=req.lora_targets,
                    dtype=req.dtype, grad_checkpointing=g.ckpt, attn=g.attn, optimizer=optimizer, batch_size=g.micro,
                    seq_len_tokens=req.seq_len_tokens, grad_accum=req.per_gpu_batch // g.micro,
                    freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss,

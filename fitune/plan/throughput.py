@@ -269,7 +269,6 @@ class Fit:
 
 def read_measurements(path: str) -> list[Measured]:
     """The successful cases of an hf_recipe.jsonl file (tokens/s from the fastest step after the first)."""
-    from ..setup import parse_targets
     from ..specs.model import load_model_spec
 
     out = []
@@ -278,10 +277,7 @@ def read_measurements(path: str) -> list[Measured]:
             d = json.loads(line)
             if not d.get("ok") or not d.get("tokens_per_s"):
                 continue
-            setup = TrainSetup(method=d["method"], lora_rank=d["lora_rank"], lora_targets=parse_targets(d["lora_targets"]),
-                               dtype=d["dtype"], grad_checkpointing=d["grad_checkpointing"], attn=d["attn"],
-                               optimizer=d["optimizer"], batch_size=d["batch_size"], seq_len_tokens=d["seq_len_tokens"],
-                               loss=d["loss"], stack=d["stack"])
+            setup = TrainSetup.from_dict(d, strict=False)  # the record holds every setup field it varied
             label = (f"{d['model']} {d['method']} {d['lora_targets']} r{d['lora_rank']} {d['batch_size']}x"
                      f"{d['seq_len_tokens']} ckpt {d['grad_checkpointing']} {d['attn']}")
             out.append(Measured(label, load_model_spec(d["model"]), setup, float(d["tokens_per_s"])))

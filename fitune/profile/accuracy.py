@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from ..memory import estimate
-from ..setup import TrainSetup, parse_targets
+from ..setup import TrainSetup
 from ..specs.gpu import resolve_gpu
 from ..specs.model import load_model_spec
 from ..units import GiB
@@ -35,12 +35,8 @@ class AccuracyRow:
 
 
 def setup_of_record(r: dict) -> TrainSetup:
-    return TrainSetup(
-        method=r["method"], lora_rank=r["lora_rank"], lora_targets=parse_targets(r["lora_targets"]),
-        batch_size=r["batch_size"], seq_len_tokens=r["seq_len_tokens"], grad_checkpointing=r["grad_checkpointing"],
-        attn=r["attn"], dtype=r.get("dtype", "bf16"), optimizer=r.get("optimizer", "adamw"),
-        loss=r.get("loss", "hf"), stack=r.get("stack", "hf"),
-    )
+    """The TrainSetup a bench record was measured with (its setup fields by name; the rest are measurements)."""
+    return TrainSetup.from_dict(r, strict=False)
 
 
 def compare(path: str, gpu: str = "h200") -> list[AccuracyRow]:

@@ -3,6 +3,7 @@ the estimate, and explain an OOM. Imports torch lazily (inside the functions).""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -70,50 +71,11 @@ class ProfileResult:
         }
 
 
-def build_model(model_spec: ModelSpec, source: str, setup: TrainSetup, device: str):
-    """A model folder with weights loads them; a catalog name or config.json gets random weights on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .hf_recipe import build_random_model, quantize_decoder_to_nf4
-
-    dtype_name = "bf16" if setup.method == "qlora" else setup.dtype
-    attn = "sdpa" if setup.attn == "flash" else setup.attn
-    has_weights = os.path.isdir(source) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
-    if has_weights:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn).to(device)
-        model.train()
-    else:
-        model = build_random_model(model_spec.hf_config, attn=attn, device=device, dtype_name=dtype_name)
-    if setup.method == "qlora":
-        if device != "cuda":
-            raise ConfigError("--method qlora needs a CUDA GPU (bitsandbytes NF4); profile it on a GPU or use lora")
-        quantize_decoder_to_nf4(model)
-    return model
-
-
-def _optimizer(setup: TrainSetup, params):
-    import torch
-
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4)
-    if setup.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=1e-4, relative_step=False, scale_parameter=False)
-    import bitsandbytes as bnb  # adamw8bit / paged_adamw8bit
-
-    cls = bnb.optim.PagedAdamW8bit if setup.optimizer == "paged_adamw8bit" else bnb.optim.AdamW8bit
-    return cls(params, lr=1e-4)
-
-
 def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None, steps: int = 3,
             device: str = "cuda", cap: GpuSpec | None = None, gpu: GpuSpec | None = None,
             progress=None) -> ProfileResult:
-    """Run `steps` steps of the HF recipe for `setup` and measure them.
+    """Run `steps` training steps of `setup` and measure them: the runtime's one step, the one `fitune train` runs
+    (`setup.stack == "hf"`: the HF recipe's forward and transformers' loss; PEFT's LoRA in both stacks).
 
     Args:
         source: where the model comes from (a model folder, a config.json or the catalog name).
@@ -126,13 +88,15 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     import torch
 
     from ..memory import estimate
-    from .oom import build_report
+    from ..runtime.device import configure_allocator, limit_allocator
+    from ..runtime.model import build_model_for_setup, prepare_model
+    from ..runtime.oom import build_report, is_oom
+    from ..runtime.optim import build_optimizer
+    from ..runtime.step import train_step
     from .tracker import CATEGORIES, MemoryTracker
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
-    from ..train.model import configure_allocator, prepare_for_setup
-
     configure_allocator(setup)  # effective when CUDA has not started yet
     est = estimate(model_spec, setup, cap or gpu, device=device)
     cuda = device == "cuda"
@@ -140,12 +104,13 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     if cuda:
         torch.cuda.empty_cache()
         if cap_bytes is not None:
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))
-    model = build_model(model_spec, source or model_spec.name, setup, device)
-    model = prepare_for_setup(model, setup)
+            limit_allocator(cap_bytes)
+    # a model folder with weights loads them; a catalog name or config.json gets random weights on `device`
+    source = source or model_spec.name
+    model = build_model_for_setup(source if os.path.isdir(source) else model_spec, setup, device)
+    model = prepare_model(model, setup)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = _optimizer(setup, trainable)
+    opt = build_optimizer(setup.optimizer, trainable, lr=1e-4)  # each optimizer's default weight decay
     ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)
     gc.collect()
     retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None
@@ -153,34 +118,31 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     times: list[float] = []
     oom = None
     tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes)
+
+    @contextlib.contextmanager
+    def measured(phase: str):
+        """Around each phase of the step: the tracker's categories and the CUDA peaks of that phase alone."""
+        tracker.set_phase(phase)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+        _record_phase(phases, phase, tracker, cuda)
+
     try:
         with tracker:
             for step in range(steps):
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                for phase in PHASES:
-                    tracker.set_phase(phase)
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats()
-                    if phase == "forward":
-                        loss = _forward_loss(model, ids, setup)
-                    elif phase == "backward":
-                        loss.backward()
-                    else:
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                        del loss
-                    if cuda:
-                        torch.cuda.synchronize()
-                    _record_phase(phases, phase, tracker, cuda)
+                # the step `fitune train` runs; --stack hf: the HF recipe's forward (transformers' loss)
+                train_step(model, opt, [ids], loss=setup.loss, recipe=setup.stack == "hf", phase=measured)
                 tracker.end_step()
                 times.append(time.perf_counter() - t0)
                 if progress:
                     progress(step + 1, steps)
     except Exception as exc:  # noqa: BLE001 - an OOM becomes a post-mortem; anything else propagates
-        from .oom import is_oom
-
         if not is_oom(exc):
             raise
         rep = build_report(exc, tracker=tracker, model_spec=model_spec, setup=setup, gpu=cap or gpu, model=model,
@@ -217,20 +179,8 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     if cuda:
         torch.cuda.empty_cache()
         if cap_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+            limit_allocator(None)
     return result
-
-
-def _forward_loss(model, ids, setup: TrainSetup):
-    """The step's loss as the chosen stack computes it: transformers' (the HF recipe), or fitune's runner (no KV
-    cache; the chunked loss when asked)."""
-    if setup.stack == "hf":
-        return model(input_ids=ids, labels=ids).loss
-    if setup.loss == "chunked":
-        from ..train.techniques.chunked_loss import causal_lm_chunked_loss
-
-        return causal_lm_chunked_loss(model, ids, ids, use_cache=False)
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _record_phase(phases: dict, phase: str, tracker, cuda: bool) -> None:

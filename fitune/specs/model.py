@@ -243,21 +243,67 @@ def catalog_model_names() -> list[str]:
     return sorted(model_catalog())
 
 
-def load_model_spec(model: str) -> ModelSpec:
-    """Resolve MODEL: a catalog name, a config.json path, or a model folder holding config.json."""
+def catalog_key(model: str) -> str | None:
+    """The catalog name for MODEL: a catalog name (`llama-3.1-8b`) or the Hugging Face id that `--list-models`
+    prints beside it (`meta-llama/Llama-3.1-8B`), in any letter case; None when it is neither."""
     catalog = model_catalog()
     key = model.strip().lower()
     if key in catalog:
+        return key
+    by_hf_id = {str(e.get("hf_id", "")).lower(): name for name, e in catalog.items() if e.get("hf_id")}
+    return by_hf_id.get(key)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """MODEL resolved to its config.json, before any architecture check.
+
+    The analytic engine turns it into a `ModelSpec` (known architectures only); `--engine trace` builds the real
+    transformers model from `hf_config`, whatever its architecture, and counts the parameters on it.
+    """
+
+    name: str
+    hf_config: dict = field(repr=False)
+    source: str = ""  # the catalog's source, or the config.json path
+
+    @property
+    def model_type(self) -> str:
+        return str(self.hf_config.get("model_type") or "")
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """Resolve MODEL (a catalog name, a config.json path, or a model folder) into the analytic engine's spec.
+
+    Raises:
+        UnknownModelError: MODEL is none of those, or its config.json cannot be read or lacks a key.
+        UnsupportedArchitectureError: the analytic engine does not model its architecture (use `--engine trace`).
+    """
+    src = resolve_model_source(model)
+    return model_spec_from_hf_config(src.hf_config, name=src.name, source=src.source)
+
+
+def resolve_model_source(model: str) -> ModelSource:
+    """Resolve MODEL: a catalog name, a config.json path, or a model folder holding config.json.
+
+    Reads the config.json but does not judge its architecture (`load_model_spec` does, for the analytic engine).
+
+    Raises:
+        UnknownModelError: MODEL is none of those, or its config.json is not a readable JSON object.
+    """
+    catalog = model_catalog()
+    key = catalog_key(model)
+    if key is not None:
         entry = catalog[key]
-        return model_spec_from_hf_config(entry["config"], name=key, source=entry.get("source", ""))
+        return ModelSource(name=key, hf_config=entry["config"], source=entry.get("source", ""))
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise UnknownModelError(f"{model} is a folder without a config.json; point MODEL at a Hugging Face model folder")
-        return _spec_from_file(path, name=os.path.basename(os.path.normpath(model)))
+        return ModelSource(name=os.path.basename(os.path.normpath(model)), hf_config=_read_config(path), source=path)
     if os.path.isfile(model):
-        return _spec_from_file(model, name=os.path.basename(os.path.dirname(os.path.abspath(model))))
-    close = difflib.get_close_matches(key, list(catalog), n=4, cutoff=0.5)
+        folder = os.path.basename(os.path.dirname(os.path.abspath(model)))
+        return ModelSource(name=folder, hf_config=_read_config(model), source=model)
+    close = difflib.get_close_matches(model.strip().lower(), list(catalog), n=4, cutoff=0.5)
     hint = f"closest catalog names: {', '.join(close)}" if close else f"known: {', '.join(sorted(catalog))}"
     raise UnknownModelError(
         f"{model!r} is not a catalog model, a config.json or a model folder; {hint}. "
@@ -265,7 +311,7 @@ def load_model_spec(model: str) -> ModelSpec:
     )
 
 
-def _spec_from_file(path: str, name: str) -> ModelSpec:
+def _read_config(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -273,4 +319,4 @@ def _spec_from_file(path: str, name: str) -> ModelSpec:
         raise UnknownModelError(f"cannot read {path} as a config.json: {exc}") from exc
     if not isinstance(cfg, dict):
         raise UnknownModelError(f"{path} is not a JSON object; expected a Hugging Face config.json")
-    return model_spec_from_hf_config(cfg, name=name, source=path)
+    return cfg

@@ -3,6 +3,7 @@
 Importing this package does not import torch.
 """
 
-from fitune.trace.engine import TraceResult, TraceUnsupportedError, trace_training_step
+from fitune.trace.engine import TraceResult, trace_training_step
+from fitune.trace.support import TraceModelError, TraceUnsupportedError
 
-__all__ = ["TraceResult", "TraceUnsupportedError", "trace_training_step"]
+__all__ = ["TraceModelError", "TraceResult", "TraceUnsupportedError", "trace_training_step"]

@@ -1,8 +1,13 @@
 """`--engine trace`: run the real transformers model + PEFT + loss on fake tensors and measure memory.
 
-The HF recipe (see `fitune.profile.hf_recipe`) is executed op by op under PyTorch's `FakeTensorMode`: every
-tensor has its real shape, dtype, strides and storage size, but no data, so an 8B model with a batch of
-2 x 2048 tokens "runs" on a laptop CPU in seconds and allocates nothing real. Memory is measured by
+`trace_training_step(model, setup)` builds the model of any config.json that `AutoModelForCausalLM.from_config`
+can build (GPT-NeoX, Falcon, ... not only the architectures the analytic engine models), applies the
+`TrainSetup` (LoRA, full or freeze; checkpointing; attention; optimizer; gradient accumulation) and executes
+the HF recipe (`fitune.runtime.model`: build, PEFT LoRA, checkpointing) op by op under PyTorch's
+`FakeTensorMode`: every tensor has its real shape, dtype, strides and storage size, but no data, so an 8B
+model with a batch of 2 x 2048 tokens "runs" on a laptop CPU in seconds and allocates nothing real. Each
+TrainSetup field is run as given or refused by name (fitune/trace/support.py lists which); no value is ever
+swapped for another. Memory is measured by
 `fitune.trace.tracker` (a `TorchDispatchMode` that weakly follows every storage an op creates, counts each
 storage once, however many views share it, and sorts it into params / buffers / inputs / activations /
 temporaries / grads / optimizer; its docstring says why PyTorch's own `MemTracker` is not used).
@@ -11,22 +16,24 @@ What is measured (all in bytes, storages counted once):
 
 * weights / adapter weights / gradients / optimizer states: read off the model and the optimizer after the
   last step's backward and optimizer step;
-* saved activations (non-checkpointed): unique storages that autograd saved during the last forward,
+* saved activations (no checkpointing): unique storages that autograd saved during the last forward,
   parameters excluded, through `torch.autograd.graph.saved_tensors_hooks` (exactly what the GPU bench does);
-* saved activations (checkpointed, `grad_checkpointing="full"`): non-reentrant checkpointing installs its
-  own `saved_tensors_hooks`, which hide what is saved inside each checkpointed layer from an outer hook, so
+* saved activations (checkpointing full or selective:K): non-reentrant checkpointing installs its own
+  `saved_tensors_hooks`, which hide what is saved inside each checkpointed layer from an outer hook, so
   here it is (live bytes right after the forward) - (live bytes right before it): what the checkpoint
-  frames keep (each layer's input) plus what the non-checkpointed parts (embedding, final norm, lm_head,
-  loss) save, plus the loss scalar;
+  frames keep (each layer's input), what the other layers and the non-checkpointed parts (embedding,
+  final norm, lm_head, loss) save, plus the loss scalar;
 * phase peaks: the highest live-bytes total seen during the last step's forward, backward and optimizer
   step (`opt.step()` + `opt.zero_grad(set_to_none=True)` + dropping the loss), for the steady state
-  (the optimizer state exists from the second step on).
+  (the optimizer state exists from the second step on). With `grad_accum` > 1 the step runs two
+  micro-batches, `(loss / grad_accum).backward()` each: the second starts with the accumulated gradients
+  alive, and every later one would start from that same memory, so two give the step's exact peaks.
 
 Fidelity notes. Fake tensors live on a fake *CPU* device (this torch build has no CUDA, and fake CUDA
 needs it), so the numbers are exact tensor bytes without the CUDA caching allocator's 512-byte rounding,
 fragmentation or reserved-but-free memory, without the CUDA context, and without cuBLAS / flash-attention
 workspaces. SDPA picks the CPU flash kernel (which saves the output and the fp32 logsumexp, like the CUDA
-flash kernel). AdamW runs with `foreach=True`, the implementation PyTorch picks by default for CUDA
+flash kernel). AdamW and SGD run with `foreach=True`, the implementation PyTorch picks by default for CUDA
 tensors (on CPU it would default to the per-parameter loop, whose temporaries are smaller).
 
 Checked against the H200 bench (bench/results/hf_recipe, the 37 bf16 LoRA cases, 5 architectures, both
@@ -48,21 +55,19 @@ a packed-sequence attention mask that the real run never builds. See `_fake_swap
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fitune.errors import ConfigError, FituneError, UnknownModelError
+from fitune.setup import TrainSetup
+from fitune.trace.support import TraceModelError, TraceUnsupportedError, check_setup
 from fitune.trace.tracker import make_tracker
 
-METHODS = ("lora", "full", "freeze", "qlora")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DTYPES = ("bf16", "fp16", "fp32")
-GRAD_CHECKPOINTING = ("none", "full")
-OPTIMIZERS = ("adamw",)
+logger = logging.getLogger(__name__)
 
-
-class TraceUnsupportedError(NotImplementedError):
-    """The trace engine cannot run this case (use the analytic engine instead)."""
+__all__ = ["TraceModelError", "TraceResult", "TraceUnsupportedError", "trace_training_step"]
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,10 @@ class TraceResult:
     weights_bytes: int  # frozen (non-trainable) parameters and buffers
     adapter_weights_bytes: int  # trainable parameters (LoRA A/B for lora; everything for full)
     gradients_bytes: int  # .grad of trainable parameters after backward
-    optimizer_states_bytes: int  # AdamW state (exp_avg, exp_avg_sq, step) after opt.step()
+    optimizer_states_bytes: int  # optimizer state (AdamW: exp_avg, exp_avg_sq, step) after opt.step()
     saved_activations_bytes: int  # see the module docstring (hooks; live-bytes difference when checkpointed)
-    forward_peak_bytes: int  # peak of live tensor bytes during the last forward (all categories)
-    backward_peak_bytes: int  # peak during the last backward
+    forward_peak_bytes: int  # peak of live tensor bytes during the last step's forward(s) (all categories)
+    backward_peak_bytes: int  # peak during the last step's backward(s)
     optimizer_peak_bytes: int  # peak during the last optimizer step (+ zero_grad)
     peak_bytes: int  # max over the three (steady state: the last step)
     by_category: dict[str, int]  # live bytes per category at `peak_bytes`
@@ -89,115 +94,78 @@ class TraceResult:
     peak_phase: str = ""  # "forward" | "backward" | "optimizer"
     phase_peaks_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    model: str = ""  # the model's name (catalog name, folder name, or the config's model_type)
+    model_type: str = ""  # config.json's model_type
+    setup: TrainSetup | None = None  # the setup that was traced: exactly the one given
+    micro_batches_traced: int = 1  # per step: min(grad_accum, 2), see the module docstring
+
+    @property
+    def total_params(self) -> int:
+        return self.trainable_params + self.frozen_params
 
 
-def trace_training_step(
-    hf_config: dict,
-    *,
-    method: str = "lora",
-    lora_rank: int = 8,
-    lora_targets: list[str] | str = ("q_proj", "v_proj"),
-    batch_size: int = 1,
-    seq_len_tokens: int = 512,
-    grad_checkpointing: str = "none",
-    attn: str = "sdpa",
-    dtype: str = "bf16",
-    optimizer: str = "adamw",
-    steps: int = 2,
-) -> TraceResult:
-    """Run `steps` HF-recipe training steps on fake tensors (CPU, no weights, no real memory) and measure.
+def trace_training_step(model: Any, setup: TrainSetup, *, steps: int = 2) -> TraceResult:
+    """Run `steps` HF-recipe training steps of `setup` on fake tensors (CPU, no weights, no real memory); measure.
 
-    `hf_config` is a config.json dict (it needs `model_type`). `method`: "lora" (PEFT LoRA exactly as
-    `hf_recipe.wrap_lora`: lora_alpha=16, dropout 0, adapter in fp32) or "full" (every parameter trains, in
-    `dtype`). "qlora" (needs bitsandbytes on CUDA) and "freeze" raise `TraceUnsupportedError`: use the
-    analytic engine for them. `grad_checkpointing`: "none" or "full" (non-reentrant, as the recipe).
-    Phase peaks and `by_category` describe the last step. See the module docstring for what each
-    number means.
+    Args:
+        model: a config.json dict (it needs `model_type`); a catalog name, config.json path or model folder;
+            or anything with an `hf_config` dict and a `name` (`ModelSpec`, `ModelSource`). Any architecture
+            `AutoModelForCausalLM.from_config` builds.
+        setup: the training setup. Each field is run as given or refused by name (fitune/trace/support.py):
+            e.g. method lora / full / freeze run (LoRA as the recipe's `wrap_lora`, adapters in fp32), qlora is
+            refused (bitsandbytes needs CUDA).
+        steps: steps to run; the numbers describe the last one (2: AdamW's state exists from the second on).
+
+    Returns:
+        The measurements; `result.setup is setup`. See the module docstring for what each number means.
+
+    Raises:
+        TraceUnsupportedError: settings the trace cannot model, each named with its flag.
+        ConfigError: an invalid setup (`TrainSetup.validate`), or LoRA targets the model does not have.
+        UnknownModelError: MODEL cannot be resolved, or its config.json has no `model_type`.
+        TraceModelError: transformers cannot build the model, or the fake-tensor run of it failed.
     """
-    return _trace(
-        hf_config,
-        method=method,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        batch_size=batch_size,
-        seq_len_tokens=seq_len_tokens,
-        grad_checkpointing=grad_checkpointing,
-        attn=attn,
-        dtype=dtype,
-        optimizer=optimizer,
-        steps=steps,
-        fake=True,
-    )
+    name, hf_config = _resolve_model(model)
+    return _trace(hf_config, setup, steps=steps, fake=True, name=name)
 
 
-def _validate(method, lora_rank, lora_targets, batch_size, seq_len_tokens, grad_checkpointing, attn, dtype,
-              optimizer, steps, hf_config) -> None:
-    if method == "qlora":
-        raise TraceUnsupportedError(
-            "the trace engine cannot run method='qlora': QLoRA's NF4 layers need bitsandbytes with CUDA, and "
-            "this engine runs on fake CPU tensors; use the analytic engine (--engine analytic) for QLoRA"
-        )
-    if method == "freeze":
-        raise TraceUnsupportedError(
-            "the trace engine does not model method='freeze' (partial freezing of the base model); "
-            "use the analytic engine (--engine analytic)"
-        )
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; the trace engine knows 'lora' and 'full'")
-    if attn not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown attention implementation {attn!r} for the trace engine; choose one of "
-            f"{', '.join(ATTN_IMPLEMENTATIONS)} (flash-attention kernels need CUDA; use the analytic engine)"
-        )
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if grad_checkpointing not in GRAD_CHECKPOINTING:
-        raise ValueError(
-            f"unknown grad_checkpointing {grad_checkpointing!r}; the trace engine knows "
-            f"{', '.join(GRAD_CHECKPOINTING)}"
-        )
-    if optimizer not in OPTIMIZERS:
-        raise TraceUnsupportedError(
-            f"the trace engine only runs torch.optim.AdamW (optimizer='adamw'), not {optimizer!r}; "
-            "use the analytic engine"
-        )
-    if method == "lora" and (not isinstance(lora_rank, int) or lora_rank < 1):
-        raise ValueError(f"lora_rank must be a positive integer, got {lora_rank!r}")
-    if method == "lora" and not lora_targets:
-        raise ValueError("lora_targets is empty")
-    if batch_size < 1 or seq_len_tokens < 1 or steps < 1:
-        raise ValueError("batch_size, seq_len_tokens and steps must be >= 1")
-    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
-        raise ValueError("hf_config must be a config.json dict with a 'model_type'")
+def _resolve_model(model: Any) -> tuple[str, dict]:
+    """(name, config.json dict) of whatever `trace_training_step` was given."""
+    if isinstance(model, str):
+        from fitune.specs.model import resolve_model_source
+
+        src = resolve_model_source(model)
+        name, cfg = src.name, src.hf_config
+    elif isinstance(model, dict):
+        name, cfg = "", model
+    else:
+        name, cfg = getattr(model, "name", ""), getattr(model, "hf_config", None)
+        if not isinstance(cfg, dict):
+            raise TypeError(f"trace_training_step takes a config.json dict, a MODEL string or a ModelSpec; got "
+                            f"{type(model).__name__}")
+    if not cfg.get("model_type"):
+        raise UnknownModelError(f"{name or 'config.json'}: config.json has no 'model_type' key; is this a Hugging "
+                                "Face model config?")
+    return name, cfg
 
 
-def _trace(
-    hf_config: dict,
-    *,
-    method: str,
-    lora_rank: int,
-    lora_targets,
-    batch_size: int,
-    seq_len_tokens: int,
-    grad_checkpointing: str,
-    attn: str,
-    dtype: str,
-    optimizer: str,
-    steps: int,
-    fake: bool = True,
-    seed: int = 0,
-) -> TraceResult:
+def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = True, seed: int = 0,
+           name: str = "") -> TraceResult:
     """The engine. `fake=False` runs the very same code on real CPU tensors (for the tests, tiny models only)."""
-    _validate(method, lora_rank, lora_targets, batch_size, seq_len_tokens, grad_checkpointing, attn, dtype,
-              optimizer, steps, hf_config)
+    notes = check_setup(setup)  # refuses what cannot be modelled, by name, before anything is built
+    setup.validate()
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    model_type = str(hf_config.get("model_type", ""))
+    name = name or str(hf_config.get("_name_or_path") or "") or model_type
+    label = name if name == model_type else f"{name} (model_type {model_type!r})"  # for messages
     import torch
 
-    from fitune.profile.hf_recipe import build_random_model, enable_checkpointing, wrap_lora
+    from fitune.runtime.model import build_random_model, enable_checkpointing, wrap_lora
 
     t0 = time.perf_counter()
-    notes: list[str] = []
-    if isinstance(lora_targets, tuple):
-        lora_targets = list(lora_targets)
+    ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
+    micro_batches = min(setup.grad_accum, 2)  # micro-batches 2..N start from the same memory: two are exact
 
     ctx = contextlib.ExitStack()
     ctx.enter_context(torch.random.fork_rng(devices=[]))  # leave the caller's RNG state alone
@@ -211,21 +179,23 @@ def _trace(
 
     with ctx:
         torch.manual_seed(seed)
-        model = build_random_model(hf_config, attn=attn, device="cpu", dtype_name=dtype)
-        if method == "lora":
-            model = wrap_lora(model, lora_rank, lora_targets)
-        else:  # full
-            for p in model.parameters():
-                p.requires_grad_(True)
-        if grad_checkpointing == "full":
+        model = _build(build_random_model, hf_config, setup, label, model_type)
+        layers = _decoder_layers(model)
+        text_config = model.config.get_text_config()
+        setup.validate(num_layers=len(layers) if layers else getattr(text_config, "num_hidden_layers", None),
+                       hidden_size=getattr(text_config, "hidden_size", None))
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        model = _make_trainable(model, setup, layers, wrap_lora, label, model_type)
+        if ckpt_mode != "none":
             enable_checkpointing(model)
+            if ckpt_mode == "selective":
+                _checkpoint_first_layers(layers, setup.selective_k(), label, model_type)
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
-            raise ValueError(f"no trainable parameters (lora_targets={lora_targets!r} matched nothing?)")
-        opt = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
-        vocab = int(hf_config["vocab_size"])
-        ids = torch.randint(0, vocab, (batch_size, seq_len_tokens))
+            raise ConfigError(f"{label}: the setup trains no parameter (--method {setup.method}); nothing to trace")
+        opt = _optimizer(setup, trainable)
+        ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len_tokens))
 
         param_storage_ids = _storage_keys(model.parameters(), fake)
         tracker = make_tracker()
@@ -239,41 +209,59 @@ def _trace(
 
         phases: dict[str, tuple[int, dict[str, int]]] = {}
         saved_hooks_bytes = 0
-        start_bytes = after_fwd_bytes = 0
+        start_bytes = before_fwd_bytes = after_fwd_bytes = 0
         grads_bytes = 0
-        with tracker:
-            for step in range(steps):
-                last = step == steps - 1
-                start_bytes = tracker.total
+        try:
+            with tracker:
+                for step in range(steps):
+                    last_step = step == steps - 1
+                    start_bytes = tracker.total
+                    fwds, bwds = [], []
+                    for micro in range(micro_batches):
+                        measure = last_step and micro == micro_batches - 1
+                        before_fwd_bytes = tracker.total
 
-                tracker.start_phase("activations")
-                if last:
-                    seen: dict[Any, int] = {}
-                    keep: list = []
-                    with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, fake), _unpack):
-                        loss = model(input_ids=ids, labels=ids).loss
-                    saved_hooks_bytes = sum(n for k, n in seen.items() if k not in param_storage_ids)
-                    seen.clear()
-                    keep.clear()  # holding them longer would keep them alive past the backward
-                else:
-                    loss = model(input_ids=ids, labels=ids).loss
-                fwd = tracker.end_phase()
-                after_fwd_bytes = tracker.total
+                        tracker.start_phase("activations")
+                        if measure:
+                            seen: dict[Any, int] = {}
+                            keep: list = []
+                            with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, fake), _unpack):
+                                loss, out = _forward_loss(model, ids, setup)
+                            saved_hooks_bytes = sum(n for k, n in seen.items() if k not in param_storage_ids)
+                            seen.clear()
+                            keep.clear()  # holding them longer would keep them alive past the backward
+                        else:
+                            loss, out = _forward_loss(model, ids, setup)
+                        fwds.append(tracker.end_phase())
+                        after_fwd_bytes = tracker.total
 
-                tracker.start_phase("temporaries")
-                loss.backward()
-                bwd = tracker.end_phase()
-                if last:
-                    grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
+                        tracker.start_phase("temporaries")
+                        loss.backward()
+                        out = None  # keep_outputs: the output held through the backward (logits, KV cache) goes
+                        if micro < micro_batches - 1:
+                            del loss  # the next micro-batch's loss replaces it
+                        bwds.append(tracker.end_phase())
+                    if last_step:
+                        grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
 
-                tracker.start_phase("temporaries")
-                opt.step()
-                tracker.retag(_optimizer_tensors(opt), "optimizer")
-                opt.zero_grad(set_to_none=True)
-                del loss
-                optp = tracker.end_phase()
-                if last:
-                    phases = {"forward": fwd, "backward": bwd, "optimizer": optp}
+                    tracker.start_phase("temporaries")
+                    opt.step()
+                    tracker.retag(_optimizer_tensors(opt), "optimizer")
+                    opt.zero_grad(set_to_none=True)
+                    del loss
+                    optp = tracker.end_phase()
+                    if last_step:
+                        phases = {"forward": max(fwds, key=lambda x: x[0]),
+                                  "backward": max(bwds, key=lambda x: x[0]), "optimizer": optp}
+        except FituneError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the model's own code on fake tensors
+            logger.debug("the trace of %s failed", label, exc_info=True)
+            raise TraceModelError(
+                f"the trace of {label} failed while running the training step: "
+                f"{type(exc).__name__}: {_first_line(exc)}. Some models use data-dependent operations that fake "
+                "tensors cannot run; use the analytic engine if it models this architecture"
+            ) from exc
         for h in handles:
             h.remove()
 
@@ -284,16 +272,22 @@ def _trace(
         trainable_params = sum(p.numel() for p in trainable)
         frozen_params = sum(p.numel() for p in _unique_tensors(frozen, fake))
 
-    if grad_checkpointing == "full":
-        saved = after_fwd_bytes - start_bytes
+    if ckpt_mode != "none":
+        saved = after_fwd_bytes - before_fwd_bytes
         notes.append(
-            "checkpointed: saved_activations_bytes = live bytes after the forward - live bytes before it "
-            f"(an outer saved_tensors_hooks sees only {saved_hooks_bytes} bytes outside the checkpointed layers)"
+            f"checkpointed ({setup.grad_checkpointing}): saved_activations_bytes = live bytes after the forward - "
+            f"live bytes before it (an outer saved_tensors_hooks sees only {saved_hooks_bytes} bytes outside the "
+            "checkpointed layers)"
         )
     else:
         saved = saved_hooks_bytes
-        diff = after_fwd_bytes - start_bytes
+        diff = after_fwd_bytes - before_fwd_bytes
         notes.append(f"live bytes after the forward - before it: {diff} (saved tensors + loss)")
+    if setup.keep_outputs:
+        notes.append("keep_outputs: the model output (logits, KV cache) stays alive through the backward, then goes")
+    if micro_batches > 1:
+        notes.append(f"grad_accum {setup.grad_accum}: two micro-batches traced per step; the second starts with "
+                     "the accumulated gradients alive, as every later one does")
 
     peak_phase = max(phases, key=lambda k: phases[k][0])
     peak_bytes, by_category = phases[peak_phase]
@@ -302,7 +296,7 @@ def _trace(
         "64 MiB more allocated than the tensors from the first step on, cuBLAS workspaces most likely) and the "
         "caching allocator's rounding, fragmentation and reserved-but-free memory"
     )
-    notes.append("AdamW runs with foreach=True (the CUDA default); the 'step' state is counted in optimizer state")
+    notes.append(_OPTIMIZER_NOTES[setup.optimizer])
     return TraceResult(
         weights_bytes=weights_bytes,
         adapter_weights_bytes=adapter_bytes,
@@ -323,7 +317,169 @@ def _trace(
         peak_phase=peak_phase,
         phase_peaks_by_category={k: v[1] for k, v in phases.items()},
         elapsed_s=time.perf_counter() - t0,
+        model=name,
+        model_type=model_type,
+        setup=setup,
+        micro_batches_traced=micro_batches,
     )
+
+
+# ------------------------------------------------------------------------------------- the setup, applied
+
+
+def _forward_loss(model, ids, setup: TrainSetup):
+    """(loss, the model output or None): `model(input_ids=ids, labels=ids).loss`, as the recipe writes it, drops
+    the output (logits, KV cache) at once; `keep_outputs` holds it, as `out = model(...); out.loss.backward()`."""
+    out = model(input_ids=ids, labels=ids)
+    loss = out.loss / setup.grad_accum if setup.grad_accum > 1 else out.loss  # accumulation scales each micro-batch
+    return loss, (out if setup.keep_outputs else None)
+
+
+def _build(build_random_model, hf_config: dict, setup: TrainSetup, label: str, model_type: str):
+    """The recipe's `build_random_model`, its failures turned into one message (transformers raises many kinds)."""
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise TraceModelError(
+            f"{label}: transformers {transformers_version} does not know model_type {model_type!r}, so it cannot "
+            "build the model; check the config.json's model_type, or install a transformers that has it"
+        )
+    try:
+        return build_random_model(hf_config, attn=setup.attn, device="cpu", dtype_name=setup.dtype)
+    except FituneError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - config validation errors come as ValueError, TypeError, KeyError...
+        logger.debug("building %s failed", label, exc_info=True)
+        raise TraceModelError(
+            f"transformers {transformers_version} cannot build a causal LM (AutoModelForCausalLM.from_config) "
+            f"from the config.json of {label} (--attn {setup.attn}): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+
+
+def _make_trainable(model, setup: TrainSetup, layers: list, wrap_lora, label: str, model_type: str):
+    """The method's trainable parameters, as fitune's runner sets them (`prepare_for_setup`)."""
+    if setup.method == "lora":
+        targets = "all-linear" if setup.all_linear else list(setup.lora_targets)
+        try:
+            model = wrap_lora(model, setup.lora_rank, targets, alpha=setup.lora_alpha)
+        except ValueError as exc:
+            if "not found in the base model" in str(exc):
+                raise ConfigError(_missing_targets_message(model, setup, label, model_type)) from exc
+            raise TraceModelError(f"PEFT cannot add LoRA adapters to {label}: "
+                                  f"{_first_line(exc)}") from exc
+        if setup.lora_dropout:
+            _set_lora_dropout(model, setup.lora_dropout)
+    elif setup.method == "freeze":
+        if not layers:
+            raise TraceUnsupportedError(
+                f"--engine trace cannot model --method freeze for {label}: it finds no list of decoder layers "
+                "(transformers GradientCheckpointingLayer) in it; use --method lora or full"
+            )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in layers[-setup.freeze_trainable_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    else:  # full
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return model
+
+
+def _missing_targets_message(model, setup: TrainSetup, label: str, model_type: str) -> str:
+    names = _adaptable_module_names(model)
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+    except ImportError:  # pragma: no cover - older PEFT
+        peft_defaults = {}
+    default = peft_defaults.get(model_type)
+    hint = f"; PEFT's default for {model_type} is --lora-targets {','.join(default)}" if default else ""
+    return (f"--lora-targets {','.join(setup.lora_targets)}: no such module in {label}; "
+            f"its layers have {', '.join(names) or 'no nn.Linear'}{hint} (or use --lora-targets all-linear)")
+
+
+def _adaptable_module_names(model) -> list[str]:
+    """Names (last component) of the Linear / Conv1D modules LoRA can wrap, the output head excluded, in order."""
+    import torch
+
+    head = model.get_output_embeddings()  # lm_head, embed_out (GPT-NeoX), ...: not a LoRA target of the recipe
+    out: list[str] = []
+    for full_name, m in model.named_modules():
+        if m is not head and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"):
+            short = full_name.rsplit(".", 1)[-1]
+            if short not in out:
+                out.append(short)
+    return out
+
+
+def _set_lora_dropout(model, p: float) -> None:
+    """PEFT's `lora_dropout=p`: an `nn.Dropout(p)` on each adapter's input (PEFT puts `nn.Identity` for 0)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            for adapter, drop in m.lora_dropout.items():
+                if not isinstance(drop, torch.nn.Dropout):
+                    m.lora_dropout[adapter] = torch.nn.Dropout(p=p)
+
+
+def _decoder_layers(model) -> list:
+    """The decoder layers: the `ModuleList` of transformers' `GradientCheckpointingLayer`s (`model.model.layers`
+    for Llama, `model.gpt_neox.layers` for GPT-NeoX), the one with `num_hidden_layers` entries when several."""
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    stacks = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
+              and all(isinstance(c, GradientCheckpointingLayer) for c in m)]
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    for stack in stacks:
+        if len(stack) == n:
+            return stack
+    return stacks[0] if len(stacks) == 1 else []
+
+
+def _checkpoint_first_layers(layers: list, k: int, label: str, model_type: str) -> None:
+    """selective:K: keep checkpointing on the first K decoder layers only, as fitune's runner does."""
+    if not layers:
+        raise TraceUnsupportedError(
+            f"--engine trace cannot model --grad-checkpointing selective:{k} for {label}: it finds no list of "
+            "decoder layers (transformers GradientCheckpointingLayer) in it; use none or full"
+        )
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < k  # transformers checks this flag on every call
+
+
+def _optimizer(setup: TrainSetup, params):
+    """The optimizers of fitune's profiler (`fitune.profile.run`), with foreach, PyTorch's default on CUDA."""
+    import torch
+
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, foreach=True)
+    if setup.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-4, relative_step=False, scale_parameter=False)
+    # check_setup refused the rest (bitsandbytes); reaching here is a bug in that table
+    raise AssertionError(f"optimizer {setup.optimizer!r} passed check_setup")
+
+
+_OPTIMIZER_NOTES = {
+    "adamw": "AdamW runs with foreach=True (the CUDA default); the 'step' state is counted in optimizer state",
+    "sgd": "SGD (momentum 0: no state) runs with foreach=True (the CUDA default)",
+    "adafactor": "Adafactor as transformers.optimization.Adafactor(relative_step=False, scale_parameter=False): "
+                 "a factored fp32 second moment, no first moment",
+}
+
+
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    """The exception's message on one line, cut at `limit` characters (some list every known model type)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # --------------------------------------------------------------------------------------------- helpers

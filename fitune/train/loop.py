@@ -4,10 +4,13 @@
         take grad_accum batches from the stream          # the data of this step, fixed before any compute
         for each micro-batch of them: forward, backward  # loss = sum over tokens / tokens of the whole step
         clip, optimizer step, schedule step
-        log a metrics.jsonl line; evaluate / checkpoint when due
+        log a metrics.jsonl line; evaluate when due; checkpoint every save_every steps, every
+            save_every_minutes, and at the end
     on CUDA out of memory: free the step, re-plan (halve the micro-batch, then checkpoint activations),
         retry the same step with the same data
-    on Ctrl-C: write a checkpoint of the last finished step, exit cleanly
+    on Ctrl-C: write a checkpoint of the last finished step, exit cleanly (_GracefulStop: twice waits, thrice aborts)
+
+The run holds its output_dir (outdir.py: lock, run identity, no write through a link) from start to end.
 
 Dividing the summed token losses by the step's trained-token count (`num_items_in_batch`) makes the gradient
 independent of how the step's data is split into micro-batches: the OOM guard's re-plan changes memory, not
@@ -16,7 +19,6 @@ the result.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..errors import FituneError
 from ..units import GiB
-from . import checkpoint
+from . import checkpoint, outdir
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -60,45 +62,89 @@ class TrainingInterrupted(FituneError):
     exit_code = 130
 
 
-def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = True) -> TrainResult:
-    """Run the training `cfg` describes. `fault(step, micro_index)` may raise to inject failures (tests)."""
+def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = True,
+          overwrite: bool = False) -> TrainResult:
+    """Run the training `cfg` describes, in an output_dir this run holds (locked) until it returns.
+
+    Args:
+        resume: continue the run in output_dir from its newest complete checkpoint; each config change since
+            that checkpoint is applied or refused by name (`checkpoint.RESUME_APPLIES`).
+        fault: `fault(step, micro_index)` may raise to inject failures (tests).
+        overwrite: a fresh run in a used output_dir first moves the old contents to `output_dir.old-<time>`.
+
+    Raises:
+        OutputDirError, ConfigError, CheckpointError: exit 2, the message says what to do.
+        TrainingInterrupted: Ctrl-C (exit 130), after the checkpoint of the last finished step is written.
+    """
+    folder = outdir.open_run(cfg.output_dir, cfg.to_dict(), resume=resume, overwrite=overwrite)
+    try:
+        checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
+        resume_from = _resume_point(cfg, folder) if resume else None
+        return _train(cfg, folder, resume_from, fault, progress)
+    finally:
+        folder.close()
+
+
+def _resume_point(cfg: TrainConfig, folder: outdir.RunFolder) -> str:
+    """The run's newest complete checkpoint, once every config change since it is applied or refused."""
+    path = checkpoint.latest(folder.root, folder.run_id)
+    if path is None:
+        raise FituneError(f"--resume: run {folder.run_id} in {cfg.output_dir} has no complete checkpoint yet; "
+                          "start it again with --overwrite")
+    state = checkpoint.read_state(path)
+    if cfg.max_steps is not None and cfg.max_steps < state["step"]:
+        raise FituneError(f"--resume: max_steps {cfg.max_steps} is below the checkpoint's step {state['step']} "
+                          f"({path}); give max_steps >= {state['step']} to continue, or start a new run with "
+                          "--overwrite")
+    saved = state.get("config") or {}
+    changes = checkpoint.check_config_changes(checkpoint.flat_config(saved), checkpoint.flat_config(cfg.to_dict()))
+    for change in changes:  # said aloud: a resumed run that silently ignored --lr was the bug
+        print(f"fitune: {change}", file=sys.stderr)
+    return path
+
+
+def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, fault, progress: bool) -> TrainResult:
+    """The run itself, in `folder` (held by `train`); from the checkpoint `resume_from` when given."""
     import torch
 
-    from . import data as data_mod
-    from .model import (load_model, load_tokenizer, pick_device, prepare_for_method, set_checkpointing,
-                        configure_allocator)
+    from .. import data as data_mod
+    from ..runtime.device import configure_allocator, limit_allocator, pick_device
+    from ..runtime.model import build_model_for_setup, load_tokenizer, prepare_model, set_checkpointing
+    from ..runtime.optim import build_optimizer
 
     configure_allocator(cfg.setup)  # before CUDA starts
     device = pick_device()
     if cfg.cap and device == "cuda":
         from ..specs.gpu import resolve_gpu
 
-        budget = resolve_gpu(str(cfg.cap)).allocator_budget_bytes
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(0).total_memory))
+        limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
     _seed_everything(cfg.seed)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
     s = cfg.setup
 
     # ---- data: tokenised once, batched deterministically -------------------------------------------------
     records = data_mod.read_records(cfg.data.path)
     examples, stats = data_mod.tokenize_records(records, tokenizer, cfg.data.format, s.seq_len_tokens)
     items = data_mod.pack(examples, s.seq_len_tokens) if cfg.packing else examples
-    log.info("data: %d examples, %d tokens (%d trained); %d truncated (%d tokens cut); %d without trained tokens",
-             stats.examples, stats.tokens, stats.trained_tokens, stats.truncated_examples, stats.truncated_tokens,
-             stats.skipped_empty)
+    log.info("data: %s", stats.summary())
+    if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
+        log.warning("fitune train: %s", stats.dropped_message())
     stream = data_mod.BatchStream(items, s.batch_size, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
     eval_items = None
     if cfg.data.eval_path:
-        ev, _ = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer, cfg.data.format,
-                                          s.seq_len_tokens)
+        ev, ev_stats = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer,
+                                                 cfg.data.format, s.seq_len_tokens)
+        if ev_stats.dropped_records:
+            log.warning("fitune train: eval data: %s", ev_stats.dropped_message())
         eval_items = data_mod.pack(ev, s.seq_len_tokens) if cfg.packing else ev
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / s.batch_size) / s.grad_accum))
 
     # ---- model, optimizer, schedule ------------------------------------------------------------------------
-    model = prepare_for_method(load_model(cfg, device), cfg)
+    model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
+    model.config.use_cache = False  # training: no KV cache
+    model = prepare_model(model, s)  # LoRA / freeze, fitune's techniques, checkpointing
     if cfg.packing and cfg.packing_attention == "varlen":
-        from .techniques.varlen_attention import enable_varlen_attention
+        from ..runtime.techniques.varlen_attention import enable_varlen_attention
 
         if enable_varlen_attention(model):
             log.info("packing: examples attended one by one inside each row (no mask tensor)")
@@ -110,16 +156,15 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
         raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "
                           f"has {vocab} rows; use the model's own tokenizer")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(cfg, trainable)
+    optimizer = build_optimizer(s.optimizer, trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _scheduler(cfg, optimizer, total_steps)
     scaler = torch.amp.GradScaler("cuda") if s.dtype == "fp16" and device == "cuda" else None
     plan = Plan(micro_batch_size=s.batch_size, grad_checkpointing=s.grad_checkpointing != "none")
     step = 0
-    if resume:
-        path = checkpoint.latest(cfg.output_dir)
-        if path is None:
-            raise FituneError(f"--resume: no complete checkpoint in {cfg.output_dir}/checkpoints; start without --resume")
+    if resume_from:
+        path = resume_from
         state = checkpoint.load(path, model, optimizer, scheduler)
+        _apply_hyperparameters(cfg, optimizer, scheduler)  # a changed lr / weight_decay takes effect now
         step = state["step"]
         stream.load_state_dict(state["data"])
         for change in state.get("plan_changes", []):  # keep the re-plans that made the run fit
@@ -130,12 +175,13 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             plan.changes.append(change)
         log.info("resumed from %s at step %d", path, step)
 
-    metrics = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    metrics = folder.open_metrics(through_step=step)  # drops lines of steps after the checkpoint: trained again
     bar = _progress_bar(total_steps, step, progress)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
     stream_before_step = stream.state_dict()
-    stop = _GracefulStop()
+    stop = _GracefulStop(last_checkpoint=resume_from)
+    last_save_s = time.monotonic()  # save_every_minutes counts from here
     try:
         while step < total_steps:
             stream_before_step = stream.state_dict()  # an interrupted step's data is taken again on resume
@@ -165,23 +211,32 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
                 eval_losses[step] = _evaluate(model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
                 metrics.write(json.dumps({"step": step, "eval_loss": eval_losses[step]}) + "\n")
                 metrics.flush()
-            if cfg.save_every and (step % cfg.save_every == 0 or step == total_steps):
-                _save(cfg, step, model, optimizer, scheduler, stream, plan)
+            if _checkpoint_due(cfg, step, total_steps, time.monotonic() - last_save_s):
+                _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
+                last_save_s = time.monotonic()
             if stop.requested:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
-        stream.load_state_dict(stream_before_step)  # the unfinished step's batches are not consumed
-        path = _save(cfg, step, model, optimizer, scheduler, stream, plan) if step else None
         bar.close()
         metrics.close()
-        print(f"\ninterrupted: {'checkpoint of step %d in %s' % (step, path) if path else 'no step finished'}; "
-              "continue with --resume", file=sys.stderr)
-        raise TrainingInterrupted(f"interrupted at step {step}" + (f"; resume from {path}" if path else "")) from None
+        if step and not stop.aborted:  # after a third Ctrl-C the state may be half-updated: nothing more is written
+            stream.load_state_dict(stream_before_step)  # the unfinished step's batches are not consumed
+            try:
+                _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
+            except KeyboardInterrupt:  # the third Ctrl-C, during this write: its .tmp folder is never resumed
+                pass
+        path = stop.last_checkpoint
+        how = "aborted" if stop.aborted else "interrupted"
+        print(f"\n{how} at step {step}: "
+              + (f"the last complete checkpoint is {path}; continue with --resume" if path else "no checkpoint yet"),
+              file=sys.stderr)
+        raise TrainingInterrupted(f"{how} at step {step}" + (f"; resume from {path}" if path else "")) from None
     finally:
         stop.restore()
+        metrics.close()
     bar.close()
     metrics.close()
-    adapter_dir, merged_dir = _write_outputs(cfg, model, tokenizer)
+    adapter_dir, merged_dir = _write_outputs(cfg, folder, model, tokenizer)
     return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, model=model)
 
 
@@ -190,7 +245,8 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
 
 def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device) -> float:
     """Run the step; on an out-of-memory error free it, re-plan and run the same data again."""
-    from ..profile.oom import is_oom
+    from ..runtime.device import release_memory
+    from ..runtime.oom import is_oom
 
     while True:
         try:
@@ -200,7 +256,7 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
                 raise
             optimizer.zero_grad(set_to_none=True)  # partial gradients of the failed attempt go
             del exc
-            _free_memory(device)
+            release_memory(device)  # the failed attempt's activations and cached blocks go back
             change = _replan(model, plan, step)
             if change is None:
                 raise FituneError(
@@ -212,58 +268,24 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
 
 
 def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault) -> float:
-    import torch
+    """The step's batches split into the plan's micro-batches, through the runtime's one training step."""
+    from ..runtime.step import train_step
 
     micro = [m for b in batches for m in stream.split(b, plan.micro_batch_size)]
     num_items = sum(m.trained_tokens for m in micro)  # loss = summed token losses / the step's trained tokens
-    total = 0.0
-    for i, mb in enumerate(micro):
-        if fault is not None:
-            fault(step, i)
-        loss = _forward_loss(model, mb, num_items, cfg.setup.loss)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss.item()
-        del loss  # frees the graph's last references before the next micro-batch
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    if cfg.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-    if scaler is not None:
-        before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        if scaler.get_scale() < before:
-            print(f"\nfitune: fp16 overflow at step {step + 1}; loss scale {before:g} -> {scaler.get_scale():g}"
-                  + (" (collapsing: use dtype bf16)" if scaler.get_scale() < 1 else ""), file=sys.stderr)
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total
-
-
-def _forward_loss(model, mb, num_items: int, loss_kind: str = "hf"):
-    import torch
-
-    device = next(model.parameters()).device
-    # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
-    # apart by their restarting position_ids) only when no cache is passed
-    kwargs = {"input_ids": mb.input_ids.to(device), "labels": mb.labels.to(device), "use_cache": False,
-              "num_items_in_batch": torch.tensor(num_items, device=device)}
-    if mb.attention_mask is not None:
-        kwargs["attention_mask"] = mb.attention_mask.to(device)
-    if mb.position_ids is not None:
-        kwargs["position_ids"] = mb.position_ids.to(device)
-    if loss_kind == "chunked":  # never materialise the whole sequence's logits
-        from .techniques.chunked_loss import causal_lm_chunked_loss
-
-        return causal_lm_chunked_loss(model, kwargs.pop("input_ids"), kwargs.pop("labels"),
-                                      num_items=kwargs.pop("num_items_in_batch"), **kwargs)
-    return model(**kwargs).loss
+    stats = train_step(model, optimizer, micro, loss=cfg.setup.loss, num_items=num_items, scaler=scaler,
+                       max_grad_norm=cfg.max_grad_norm,
+                       before_micro_batch=None if fault is None else lambda i: fault(step, i))
+    if stats.overflowed:
+        print(f"\nfitune: fp16 overflow at step {step + 1}; loss scale {stats.loss_scale_before:g} -> "
+              f"{stats.loss_scale:g}" + (" (collapsing: use dtype bf16)" if stats.loss_scale < 1 else ""),
+              file=sys.stderr)
+    return stats.loss
 
 
 def _replan(model, plan: Plan, step: int) -> dict | None:
     """The next, less memory-hungry way to run a step with the same effective batch."""
-    from .model import set_checkpointing
+    from ..runtime.model import set_checkpointing
 
     if plan.micro_batch_size > 1:
         old = plan.micro_batch_size
@@ -277,14 +299,6 @@ def _replan(model, plan: Plan, step: int) -> dict | None:
         return None
     return {"step": step + 1, "why": why, "micro_batch_size": plan.micro_batch_size,
             "grad_checkpointing": plan.grad_checkpointing}
-
-
-def _free_memory(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 # ---- pieces --------------------------------------------------------------------------------------------
@@ -303,26 +317,6 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-def _optimizer(cfg: TrainConfig, params):
-    import torch
-
-    name = cfg.setup.optimizer
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=cfg.lr, relative_step=False, scale_parameter=False, weight_decay=cfg.weight_decay)
-    try:
-        import bitsandbytes as bnb
-    except ImportError as exc:
-        raise FituneError(f"optimizer: {name} needs bitsandbytes (pip install bitsandbytes) on a CUDA machine") from exc
-    cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
-    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
 def _scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     from transformers import get_scheduler
 
@@ -334,7 +328,8 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     """Mean token loss over the eval set (no gradients, so no saved activations)."""
     import torch
 
-    from . import data as data_mod
+    from .. import data as data_mod
+    from ..runtime.step import forward_loss
 
     stream = data_mod.BatchStream(items, cfg.setup.batch_size, cfg.seed, pad_token_id, packed=cfg.packing, shuffle=False)
     n_batches = math.ceil(len(items) / cfg.setup.batch_size)
@@ -344,7 +339,7 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     with torch.no_grad():
         for _ in range(n_batches):
             b = stream.next_batch()
-            loss = _forward_loss(model, b, 1, cfg.setup.loss)  # summed token loss (num_items = 1)
+            loss = forward_loss(model, b, loss=cfg.setup.loss, num_items=1)  # summed token loss
             total += loss.item()
             tokens += b.trained_tokens
     if was_training:
@@ -352,54 +347,117 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     return total / max(1, tokens)
 
 
-def _save(cfg, step, model, optimizer, scheduler, stream, plan) -> str:
-    return checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, stream.state_dict(),
-                           {"plan_changes": plan.changes, "config": cfg.to_dict()})
+def _checkpoint_due(cfg: TrainConfig, step: int, total_steps: int, since_save_s: float) -> bool:
+    """Every save_every steps, every save_every_minutes of training, and always at the end."""
+    return (step == total_steps or bool(cfg.save_every and step % cfg.save_every == 0)
+            or bool(cfg.save_every_minutes and since_save_s >= cfg.save_every_minutes * 60))
 
 
-def _write_outputs(cfg: TrainConfig, model, tokenizer) -> tuple[str | None, str | None]:
+def _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop) -> str:
+    stop.saving_step = step  # a Ctrl-C now says it waits for this write
+    try:
+        path = checkpoint.save(folder, step, model, optimizer, scheduler, stream.state_dict(),
+                               {"plan_changes": plan.changes, "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
+    finally:
+        stop.saving_step = None
+    stop.last_checkpoint = path
+    return path
+
+
+def _apply_hyperparameters(cfg: TrainConfig, optimizer, scheduler) -> None:
+    """The config's lr and weight_decay, not the checkpoint's, drive the resumed steps: the schedule's base rate is
+    replaced and the current rate recomputed at the resumed step, as `scheduler.step()` computes it (LambdaLR:
+    base_lr * lambda(step)), so an unchanged lr gives the same float and the losses of an uninterrupted run."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
+        if "weight_decay" in group:
+            group["weight_decay"] = cfg.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _write_outputs(cfg: TrainConfig, folder, model, tokenizer) -> tuple[str | None, str | None]:
     """The adapter as a PEFT folder (safetensors), optionally merged weights; full / freeze: the whole model."""
     adapter_dir = merged_dir = None
     if cfg.setup.method in ("lora", "qlora"):
-        adapter_dir = os.path.join(cfg.output_dir, "adapter")
-        model.save_pretrained(adapter_dir, safe_serialization=True)
-        tokenizer.save_pretrained(adapter_dir)
+        adapter_dir = _write_pretrained(cfg, folder, "adapter", model, tokenizer)
         if cfg.merge:
-            merged_dir = os.path.join(cfg.output_dir, "merged")
-            merged = model.merge_and_unload()
-            merged.save_pretrained(merged_dir, safe_serialization=True)
-            tokenizer.save_pretrained(merged_dir)
+            merged_dir = _write_pretrained(cfg, folder, "merged", model.merge_and_unload(), tokenizer)
     else:
-        merged_dir = os.path.join(cfg.output_dir, "model")
-        model.save_pretrained(merged_dir, safe_serialization=True)
-        tokenizer.save_pretrained(merged_dir)
+        merged_dir = _write_pretrained(cfg, folder, "model", model, tokenizer)
     return adapter_dir, merged_dir
 
 
-class _GracefulStop:
-    """The first Ctrl-C lets the running step finish (no half-applied optimizer step), the second aborts."""
+def _write_pretrained(cfg: TrainConfig, folder, name: str, model, tokenizer) -> str:
+    """`output_dir/name` written as a fresh `name.tmp/` (no file in it a planted link could redirect), then renamed
+    over the old one: a crash leaves the old folder or the new one, complete."""
+    tmp = folder.fresh_dir(name)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    folder.publish(tmp)
+    return os.path.join(cfg.output_dir, name)
 
-    def __init__(self):
+
+class _GracefulStop:
+    """Ctrl-C (or SIGTERM) that never costs the last complete checkpoint.
+
+    1st: the running step finishes (no half-applied optimizer step), a checkpoint is written, the run exits.
+    2nd: says what it is waiting for (the step, or the checkpoint being written) and goes on waiting.
+    3rd: aborts at once and writes nothing more (the state may be half-updated). A checkpoint cut short stays a
+         `.tmp` folder; the previous complete one, which no write touches, is what --resume takes.
+    """
+
+    def __init__(self, last_checkpoint: str | None = None):
         import signal
         import threading
 
-        self.requested = False
-        self._old = None
+        self.presses = 0
+        self.saving_step: int | None = None
+        """The step whose checkpoint is being written, if one is."""
+        self.last_checkpoint = last_checkpoint
+        """The newest complete checkpoint of this run."""
+        self._old: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.presses >= 1
+
+    @property
+    def aborted(self) -> bool:
+        return self.presses >= 3
 
     def _handle(self, signum, frame):
-        if self.requested:
+        self.presses += 1
+        kept = (f"the last complete checkpoint, {self.last_checkpoint}, stays" if self.last_checkpoint
+                else "no checkpoint is complete yet")
+        if self.presses == 1:
+            _say("finishing this step, then writing a checkpoint (Ctrl-C twice more to abort at once)")
+        elif self.presses == 2:
+            what = (f"the checkpoint of step {self.saving_step} being written" if self.saving_step is not None
+                    else "this step and its checkpoint")
+            _say(f"finishing {what} first; Ctrl-C once more aborts ({kept})")
+        else:
+            _say(f"aborting ({kept})")
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nfitune: finishing this step, then writing a checkpoint (Ctrl-C again to stop at once)", file=sys.stderr)
 
     def restore(self):
-        if self._old is not None:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def _say(message: str) -> None:
+    """Print from a signal handler: the handler can run inside another write to stderr, which then refuses."""
+    try:
+        print(f"\nfitune: {message}", file=sys.stderr, flush=True)
+    except RuntimeError:  # reentrant call inside the stderr buffer: the message is lost, the handling is not
+        pass
 
 
 class _NoBar:

@@ -8,7 +8,9 @@ from .. import evidence
 from ..findings import INFO, WARNING
 from ..evidence import REFERENCE_MODEL
 from ..index import ScriptIndex
-from .base import Hit, call_text, rule, script_catalog_model, script_model
+from ...errors import FituneError
+from ...units import gib
+from .base import Hit, call_text, known_setup, rule, script_catalog_model, script_model
 
 ALL_LINEAR_SETS = (
     {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},  # Llama, Mistral, Qwen, Gemma
@@ -34,7 +36,7 @@ def lora_all_linear(ix: ScriptIndex) -> Iterator[Hit]:
                   "with it), plus more adapter weights, gradients and optimizer states.",
                   'if memory is the problem: turn gradient checkpointing on, or target_modules=["q_proj", "v_proj"] '
                   "(fewer adapters, usually somewhat lower quality)",
-                  evidence.lora_all_linear(script_model(ix)))
+                  evidence.lora_all_linear(script_model(ix), known_setup(ix)))
 
 
 @rule("lora-bias", INFO, 'LoRA with bias="all" or "lora_only"', ("C08",))
@@ -73,7 +75,7 @@ def full_finetune_adamw(ix: ScriptIndex) -> Iterator[Hit]:
                   "a model of a few billion parameters the states alone fill most of a 24 GB card.",
                   'optim="adamw_bnb_8bit" or "paged_adamw_8bit" in TrainingArguments (bitsandbytes.optim.AdamW8bit '
                   "in a plain loop), or LoRA, which trains a few million parameters",
-                  evidence.full_finetune_optimizer(model),
+                  evidence.full_finetune_optimizer(model, known_setup(ix)),
                   severity=None if known else INFO)
 
 
@@ -93,4 +95,46 @@ def _adamw_sites(ix: ScriptIndex) -> Iterator[tuple[int, str]]:
             yield args.line, f'`{call_text(args)}` with optim="{optim}"'
 
 
-RULES = (lora_all_linear, lora_bias, full_finetune_adamw)
+LARGE_RANK = 128
+"""A LoRA rank from here up is flagged: recipes use 8-64, and the adapter's bytes grow linearly with r."""
+USUAL_RANK = 16
+
+
+@rule("lora-rank-large", WARNING, f"a very large LoRA rank (r >= {LARGE_RANK})")
+def lora_rank_large(ix: ScriptIndex) -> Iterator[Hit]:
+    """r in the hundreds: every adapter weight trains with its fp32 gradient and two AdamW states (16 bytes per
+    parameter), and the adapter inputs' products grow with r."""
+    sites = ix.calls_named("LoraConfig") + [c for c in ix.calls if c.tail == "get_peft_model"
+                                            and c.receiver.endswith("FastLanguageModel")]
+    for c in sites:
+        r = ix.value(c.kw("r"))
+        if not isinstance(r, int) or isinstance(r, bool) or r < LARGE_RANK:
+            continue
+        ss = ix.script_setup
+        model = ss.model
+        try:
+            big = _lora_cost(ss, r)
+            small = _lora_cost(ss, USUAL_RANK)
+        except FituneError:
+            continue  # a rank above the model's hidden size: estimate reports that itself
+        where = "" if ss.model_known else f" (the script's model is not in fitune's catalog: quoted for {model})"
+        yield Hit(c.line,
+                  f"`{call_text(c)}` asks for r={r}: {big[0] / 1e6:,.0f}M trainable parameters on "
+                  f"{model}{where}, each with an fp32 weight, an fp32 gradient and two AdamW states - "
+                  f"{gib(big[1])} before any activation, against {gib(small[1])} at r={USUAL_RANK}.",
+                  f"r={USUAL_RANK} to 64 is what most LoRA recipes use (scale lora_alpha with it to keep the update's "
+                  "size); if the task needs that much capacity, QLoRA or 8-bit AdamW make room for it",
+                  f"{evidence.ESTIMATED}, {evidence.describe_script(ss)}: adapter weights + optimizer states "
+                  f"{gib(big[1])} at r={r} vs {gib(small[1])} at r={USUAL_RANK} (gradients add the adapter weights' "
+                  f"size again while they exist); peak {gib(big[2])} vs {gib(small[2])} allocated")
+
+
+def _lora_cost(ss, r: int) -> tuple[int, int, int]:
+    """(trainable parameters, adapter weights + optimizer state bytes, peak allocated) of the script at rank r."""
+    e = evidence._est_setup(ss.model, ss.setup.replace(lora_rank=r, method=ss.setup.method if ss.setup.method in (
+        "lora", "qlora") else "lora"), ss.gpu)
+    state = e.resident_bytes.get("adapter_weights", 0) + e.resident_bytes.get("optimizer_states", 0)
+    return e.trainable_params, state, e.peak_allocated_bytes
+
+
+RULES = (lora_all_linear, lora_bias, full_finetune_adamw, lora_rank_large)

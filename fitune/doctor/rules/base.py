@@ -47,8 +47,22 @@ def rule(id: str, severity: str, summary: str, claims: tuple[str, ...] = ()):
     return wrap
 
 
+def known_setup(ix: ScriptIndex):
+    """The script's own setup (extract.py) when its model is known (a catalog model in the script, or --model):
+    evidence then quotes a live estimate of this very step. None otherwise (or when the script cannot be read that
+    far): evidence falls back to the reference cases."""
+    try:
+        ss = ix.script_setup
+    except Exception:  # noqa: BLE001 - an unusual script must not stop the rules; the CLI reports extraction errors
+        return None
+    return ss if ss.model_known else None
+
+
 def script_catalog_model(ix: ScriptIndex) -> str | None:
-    """The catalog name of the model the script loads (a literal id in from_pretrained), or None."""
+    """The catalog name of the model the script loads (or --model names), or None."""
+    ss = known_setup(ix)
+    if ss is not None:
+        return ss.model
     for load in ix.model_loads:
         value = ix.value(load.arg(0) if load.arg(0) is not None else load.kw("pretrained_model_name_or_path"))
         if isinstance(value, str):

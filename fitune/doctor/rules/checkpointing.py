@@ -19,7 +19,7 @@ from typing import Iterator
 from .. import evidence
 from ..findings import ERROR, INFO, WARNING
 from ..index import Call, ScriptIndex
-from .base import Hit, call_text, rule
+from .base import Hit, call_text, known_setup, rule
 
 TORCH_CHECKPOINT = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential")
 RUNTIME_CHECK = ("verified on the CPU by tests/test_doctor_runtime.py: fitune.doctor.runtime.RunMonitor counts each "
@@ -100,7 +100,7 @@ def checkpointing_in_eval_mode(ix: ScriptIndex) -> Iterator[Hit]:
                   "call model.train() before the training loop (Trainer does it for you)",
                   f"source: transformers/modeling_layers.py GradientCheckpointingLayer.__call__ "
                   f"(`if self.gradient_checkpointing and self.training`); {RUNTIME_CHECK}; what checkpointing "
-                  f"saves when it runs: {evidence.checkpointing_effect()}")
+                  f"saves when it runs: {evidence.checkpointing_effect(known_setup(ix))}")
 
 
 @rule("checkpointing-flag-without-trainer", ERROR, "TrainingArguments(gradient_checkpointing=True) without a Trainer",
@@ -115,7 +115,7 @@ def checkpointing_flag_without_trainer(ix: ScriptIndex) -> Iterator[Hit]:
                   'call model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}) '
                   "and model.train() before your loop",
                   f"source: transformers/trainer.py calls model.gradient_checkpointing_enable() when "
-                  f"args.gradient_checkpointing; {evidence.checkpointing_effect()}")
+                  f"args.gradient_checkpointing; {evidence.checkpointing_effect(known_setup(ix))}")
 
 
 @rule("checkpointing-flag-and-method", INFO, "checkpointing enabled both on the model and in TrainingArguments",
@@ -158,8 +158,41 @@ def use_cache_with_checkpointing(ix: ScriptIndex) -> Iterator[Hit]:
               "model.config.use_cache = False (or from_pretrained(..., use_cache=False))",
               "source: transformers/modeling_layers.py GradientCheckpointingLayer.__call__ sets use_cache=False "
               "during training with checkpointing. Reasoned (not measured): the cache holds 2 x layers x batch x "
-              "seq x kv_heads x head_dim values (0.50 GiB for llama-3.1-8b at 2x2048 in bf16)")
+              f"seq x kv_heads x head_dim values ({_kv_cache_text(ix)})")
+
+
+def _kv_cache_text(ix: ScriptIndex) -> str:
+    """The KV cache's size for this script's model and shape (computed from the catalog config), or the forum case."""
+    ss = known_setup(ix)
+    if ss is None:
+        return "0.50 GiB for llama-3.1-8b at 2x2048 in bf16"
+    from ...specs import load_model_spec
+    from ...units import gib
+
+    m, s = load_model_spec(ss.model), ss.setup
+    n = 2 * m.num_layers * s.batch_size * s.seq_len_tokens * m.num_kv_heads * m.head_dim * 2
+    return f"computed from the catalog config: {gib(n)} for this script's {ss.model} at {s.batch_size}x{s.seq_len_tokens} in bf16"
+
+
+@rule("torch-compile-with-checkpointing", INFO, "torch.compile together with gradient checkpointing (unmeasured)")
+def torch_compile_with_checkpointing(ix: ScriptIndex) -> Iterator[Hit]:
+    """torch.compile and checkpointing in one script: what it does to memory is an open question (C13)."""
+    sites = [c for c in ix.calls if c.name in ("torch.compile", "compile") and c.node.args]
+    sites += [c for c in ix.calls if c.tail == "compile" and c.receiver in ix.model_variables]
+    sites += [c for c in ix.training_args if ix.is_true(c.kw("torch_compile"))]
+    if not sites or not (checkpointing_enabled(ix) or ix.calls_named("prepare_model_for_kbit_training")):
+        return
+    c = sites[0]
+    yield Hit(c.line,
+              f"`{call_text(c)}` compiles a model that also uses gradient checkpointing. Forum reports disagree - "
+              "20-30 % less memory, no change, or graph breaks and recompilation at every checkpointed layer - "
+              "and fitune has not measured it: its estimate assumes eager execution, so this step's figures do not "
+              "account for compilation either way.",
+              "measure it rather than trust either claim: run a few steps with and without torch.compile and "
+              "compare torch.cuda.max_memory_allocated() (fitune.doctor.runtime.RunMonitor records per-phase peaks)",
+              "open (not measured): docs/evidence.md C13 lists the claim as open - no fitune benchmark has run "
+              "torch.compile, so no figure is quoted here")
 
 
 RULES = (checkpoint_reentrant, checkpointing_in_eval_mode, checkpointing_flag_without_trainer,
-         checkpointing_flag_and_method, use_cache_with_checkpointing)
+         checkpointing_flag_and_method, use_cache_with_checkpointing, torch_compile_with_checkpointing)

@@ -6,9 +6,9 @@ import ast
 from typing import Iterator
 
 from .. import evidence
-from ..findings import INFO, WARNING
+from ..findings import ERROR, INFO, WARNING
 from ..index import Call, ScriptIndex
-from .base import Hit, call_text, rule, script_model
+from .base import Hit, call_text, known_setup, rule, script_catalog_model, script_model
 
 ENCODE_METHODS = ("encode", "encode_plus", "batch_encode_plus", "__call__", "apply_chat_template")
 SMALL_MAX_LENGTH = 256
@@ -54,7 +54,7 @@ def pad_to_max_length(ix: ScriptIndex) -> Iterator[Hit]:
             "padding=False here and a collator that pads each batch to its longest example "
             "(DataCollatorWithPadding / DataCollatorForSeq2Seq, pad_to_multiple_of=8), or packing; "
             "`fitune doctor --data FILE --tokenizer DIR` shows how much padding your data would carry",
-            evidence.seq_len_cost(script_model(ix)),
+            evidence.seq_len_cost(script_model(ix), known_setup(ix)),
         )
 
 
@@ -72,7 +72,7 @@ def tokenize_without_truncation(ix: ScriptIndex) -> Iterator[Hit]:
             "step that meets it runs out of memory (often hours into the run).",
             "truncation=True, max_length=<your sequence length>; count what would be cut with "
             "`fitune doctor --data FILE --tokenizer DIR --seq-len N`",
-            evidence.long_example_cost(),
+            evidence.long_example_cost(known_setup(ix)),
         )
 
 
@@ -89,7 +89,7 @@ def labels_concatenate_inputs(ix: ScriptIndex) -> Iterator[Hit]:
             "themselves (transformers shifts them by one inside the loss), so the labels no longer line up with the "
             "input, or the input was doubled to match and every step pays for twice the sequence.",
             "labels = input_ids.clone() (or a copy of the list), with the prompt positions set to -100",
-            evidence.doubled_sequence(script_model(ix)),
+            evidence.doubled_sequence(script_model(ix), known_setup(ix)),
         )
 
 
@@ -145,3 +145,78 @@ def _flatten_add(node: ast.AST) -> list[ast.AST]:
 
 
 RULES = (pad_to_max_length, tokenize_without_truncation, labels_concatenate_inputs, sft_without_packing)
+
+
+NO_PAD_TOKEN_FAMILIES = ("llama", "mistral", "mixtral")
+"""Model types whose published tokenizers set no pad token (tokenizer_config.json of meta-llama/Llama-2-7b-hf,
+meta-llama/Llama-3.1-8B, mistralai/Mistral-7B-v0.1 and -v0.3: pad_token null or absent); Qwen's set one."""
+PADDING_COLLATORS = ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorForLanguageModeling",
+                     "DataCollatorForTokenClassification")
+
+
+@rule("missing-pad-token", ERROR, "padding with a Llama/Mistral tokenizer that has no pad token")
+def missing_pad_token(ix: ScriptIndex) -> Iterator[Hit]:
+    """A Llama- or Mistral-family tokenizer pads (padding=True / "max_length", a padding collator, tokenizer.pad)
+    but the script never gives it a pad token: transformers raises before the first step."""
+    if ix.calls_named("SFTTrainer") or any(c.receiver.endswith("FastLanguageModel") for c in ix.calls):
+        return  # TRL's SFTTrainer and Unsloth set pad_token themselves when it is missing
+    if _sets_pad_token(ix):
+        return
+    family = _tokenizer_family(ix)
+    if family not in NO_PAD_TOKEN_FAMILIES:
+        return
+    sites = [c for c in tokenizer_calls(ix) if ix.value(c.kw("padding")) in (True, "max_length", "longest")]
+    sites += [c for c in ix.calls if c.tail in PADDING_COLLATORS]
+    sites += [c for c in ix.calls if c.tail == "pad" and c.receiver in ix.tokenizer_names]
+    if not sites:
+        return
+    c = min(sites, key=lambda c: c.line)
+    yield Hit(
+        c.line,
+        f"`{call_text(c)}` pads, but the script loads a {family} tokenizer and never sets a pad token ({family} "
+        "tokenizers ship without one): transformers raises `ValueError: Asking to pad but the tokenizer does not have "
+        "a padding token` at the first padded batch.",
+        "tokenizer.pad_token = tokenizer.eos_token right after loading it (with DataCollatorForLanguageModeling "
+        "this also masks the real end-of-sequence tokens from the loss; a dedicated pad token avoids that: "
+        'tokenizer.add_special_tokens({"pad_token": "<pad>"}) and model.resize_token_embeddings(len(tokenizer)))',
+        "source: transformers/tokenization_utils_base.py raises 'Asking to pad but the tokenizer does not have a "
+        "padding token' when padding is asked and pad_token is None; the tokenizer_config.json of "
+        "meta-llama/Llama-3.1-8B and mistralai/Mistral-7B-v0.3 set no pad_token (reasoned (not measured) from the "
+        "published files)",
+    )
+
+
+def _sets_pad_token(ix: ScriptIndex) -> bool:
+    if any(a.target.endswith((".pad_token", ".pad_token_id")) for a in ix.assignments):
+        return True
+    for c in ix.calls:
+        if c.tail == "add_special_tokens":
+            v = ix.value(c.arg(0) if c.arg(0) is not None else c.kw("special_tokens_dict"))
+            if not isinstance(v, dict) or "pad_token" in v:
+                return True  # a dict fitune cannot read counts as setting it
+        if c.tail == "from_pretrained" and c.has_kw("pad_token"):
+            return True
+        if c.tail == "setattr" and len(c.node.args) > 1 and ix.value(c.node.args[1]) in ("pad_token", "pad_token_id"):
+            return True
+    return False
+
+
+def _tokenizer_family(ix: ScriptIndex) -> str | None:
+    """The model_type of the tokenizer the script loads (from its id, else the script's model)."""
+    from ...specs.model import model_catalog
+    from ..evidence import catalog_name
+
+    names = []
+    for c in ix.calls:
+        if c.tail == "from_pretrained" and "Tokenizer" in c.receiver:
+            value = ix.value(c.arg(0) if c.arg(0) is not None else c.kw("pretrained_model_name_or_path"))
+            if isinstance(value, str):
+                names.append(catalog_name(value))
+    names.append(script_catalog_model(ix))
+    name = next((n for n in names if n), None)
+    if name is None:
+        return None
+    return model_catalog()[name]["config"].get("model_type")
+
+
+RULES = (*RULES, missing_pad_token)

@@ -7,7 +7,7 @@ from typing import Iterator
 from .. import evidence
 from ..findings import WARNING
 from ..index import ScriptIndex
-from .base import Hit, call_text, rule, script_model
+from .base import Hit, call_text, known_setup, rule, script_model
 
 QUANTIZED_LOAD_KWARGS = ("quantization_config", "load_in_4bit", "load_in_8bit")
 
@@ -27,7 +27,7 @@ def load_without_dtype(ix: ScriptIndex) -> Iterator[Hit]:
             "twice bf16); transformers 5 reads the checkpoint's dtype ('auto'). The memory then depends on the "
             "installed version.",
             "pass dtype=torch.bfloat16 (torch_dtype=torch.bfloat16 on transformers 4.x)",
-            evidence.fp32_weights(script_model(ix)),
+            evidence.fp32_weights(script_model(ix), known_setup(ix)),
         )
 
 
@@ -43,7 +43,7 @@ def load_in_fp32(ix: ScriptIndex) -> Iterator[Hit]:
             "frozen base never needs float32; in full fine-tuning float32 master weights are a deliberate choice "
             "only if the card holds them plus 8 bytes per parameter of AdamW state.",
             "dtype=torch.bfloat16 (and bf16=True in TrainingArguments)",
-            evidence.fp32_weights(script_model(ix)),
+            evidence.fp32_weights(script_model(ix), known_setup(ix)),
         )
 
 
@@ -80,7 +80,7 @@ def eager_attention(ix: ScriptIndex) -> Iterator[Hit]:
             "seq probability matrix in every layer; sdpa (the default) and flash-attention save none.",
             'drop attn_implementation or set "sdpa" (or "flash_attention_2"); if the model needs eager for '
             "correctness (old Gemma-2 soft-capping), turn gradient checkpointing on",
-            evidence.eager_attention(),
+            evidence.eager_attention(known_setup(ix)),
         )
 
 

@@ -6,9 +6,10 @@ import ast
 from typing import Iterator
 
 from .. import evidence
-from ..findings import WARNING
+from ..findings import ERROR, WARNING
 from ..index import ScriptIndex
-from .base import Hit, call_text, rule
+from ...units import gib
+from .base import Hit, call_text, known_setup, rule
 
 PER_STEP_FUNCTIONS = ("step", "on_step")
 """A call inside a function whose name contains one of these runs once per step (training_step, on_step_end...)."""
@@ -90,4 +91,71 @@ def _is_scalar(ix: ScriptIndex, node: ast.AST) -> bool:
     return isinstance(node, ast.Constant)
 
 
-RULES = (empty_cache_in_loop, eval_without_no_grad, loss_kept_with_graph)
+@rule("outputs-kept-through-backward", WARNING, "the model output (its logits) kept alive through backward")
+def outputs_kept_through_backward(ix: ScriptIndex) -> Iterator[Hit]:
+    """`out = model(**batch); out.loss.backward()`: `out` still holds the logits while backward runs."""
+    try:
+        ss = ix.script_setup
+    except Exception:  # noqa: BLE001 - an unusual script must not stop the rules
+        return
+    rec = ss.fields["keep_outputs"]
+    if rec.origin != "script" or rec.value is not True:
+        return
+    from ...specs import load_model_spec
+
+    s, m = ss.setup, load_model_spec(ss.model)
+    logits = s.batch_size * s.seq_len_tokens * m.vocab_size * 2
+    where = "" if ss.model_known else f" (the script's model is not in fitune's catalog: quoted for {ss.model})"
+    back = ss.anchors.get("backward", rec.lines[-1])
+    yield Hit(back,
+              f"{rec.why}: the bf16 logits ({s.batch_size} x {s.seq_len_tokens} x {m.vocab_size:,} x 2 bytes = "
+              f"{gib(logits)} on {ss.model}{where}) stay allocated through the whole backward, on top of the fp32 "
+              "copies the loss makes, at the step's peak.",
+              "keep only the loss: `loss = model(**batch).loss`, or `loss = out.loss; del out` before "
+              "loss.backward() (log loss.item())",
+              evidence.live(ss, {"keep_outputs": False}, "with the output freed before backward",
+                            {"keep_outputs": True}, "as written"))
+
+
+@rule("eval-without-train", WARNING, "model.eval() in the training loop with no model.train() after it")
+def eval_without_train(ix: ScriptIndex) -> Iterator[Hit]:
+    """An evaluation inside the loop leaves the model in eval mode for every later step: dropout (LoRA's too) is
+    off, and gradient checkpointing stops recomputing (transformers checks `self.training`)."""
+    if ix.uses_trainer:
+        return  # Trainer calls model.train() at every training step
+    modes = [c for c in ix.calls if c.tail in ("eval", "train") and not c.node.args and c.receiver
+             and c.receiver in ix.model_variables]
+    trains = [c for c in modes if c.tail == "train"]
+    if not trains:
+        return  # never in train mode at all: checkpointing-in-eval-mode says so
+    for e in (c for c in modes if c.tail == "eval"):
+        if e.in_loop:
+            callers = [e]
+        else:
+            if not e.function or any(t.scope == e.scope and t.line > e.line for t in trains):
+                continue  # module level, or the evaluation function restores train mode itself
+            callers = [c for c in ix.calls if c.tail == e.function and c.in_loop]
+        for caller in callers:
+            if any(t.scope == caller.scope and t.in_loop for t in trains):
+                continue
+            ckpt = ix.calls_named("gradient_checkpointing_enable", "prepare_model_for_kbit_training")
+            ss = known_setup(ix)
+            cost = (" and gradient checkpointing stops recomputing: every later step keeps every layer's "
+                    "activations (the first steps fit; the first step after an evaluation runs out of memory)"
+                    if ckpt else "")
+            yield Hit(e.line,
+                      f"`{e.receiver}.eval()` runs inside the training loop"
+                      + (f" (through {e.function}(), called at line {caller.line})" if caller is not e else "")
+                      + f" and nothing calls {e.receiver}.train() after it: every later training step runs in "
+                      f"eval mode - dropout (LoRA's too) is off{cost}.",
+                      f"call {e.receiver}.train() after the evaluation (at the end of {e.function or 'it'}(), or at "
+                      "the top of each training step)",
+                      "source: transformers/modeling_layers.py GradientCheckpointingLayer.__call__ recomputes only "
+                      "`if self.gradient_checkpointing and self.training`; torch.nn.Dropout is the identity in eval "
+                      "mode; " + (evidence.checkpointing_effect(ss) if ckpt else "reasoned (not measured)"),
+                      severity=ERROR if ckpt else None)
+            break
+
+
+RULES = (empty_cache_in_loop, eval_without_no_grad, loss_kept_with_graph, outputs_kept_through_backward,
+         eval_without_train)

@@ -7,7 +7,7 @@ from typing import Iterator
 from .. import evidence
 from ..findings import WARNING
 from ..index import ScriptIndex
-from .base import Hit, call_text, rule, script_model
+from .base import Hit, call_text, known_setup, rule, script_model
 
 FIX_BF16 = ("bf16 on Ampere or newer (RTX 30xx/40xx/50xx, A100, L4, H100): bf16=True / mixed_precision=\"bf16\" / "
             "dtype=torch.bfloat16; keep fp16 only on T4, V100 or RTX 20xx, and then watch the loss scale "
@@ -17,7 +17,7 @@ FIX_BF16 = ("bf16 on Ampere or newer (RTX 30xx/40xx/50xx, A100, L4, H100): bf16=
 @rule("fp16-instead-of-bf16", WARNING, "fp16 training or autocast where bf16 would do", ("C19",))
 def fp16_instead_of_bf16(ix: ScriptIndex) -> Iterator[Hit]:
     """fp16 costs exactly what bf16 costs in memory and adds loss scaling; flag each place that picks it."""
-    why = evidence.fp16_same_bytes(script_model(ix))
+    why = evidence.fp16_same_bytes(script_model(ix), known_setup(ix))
     for line, what in _fp16_sites(ix):
         yield Hit(line, f"{what}: fp16 takes the same 2 bytes as bf16 but overflows above 65504, so it needs a "
                         "loss scaler, and a scale that keeps falling skips steps (the loss falls slowly).",

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layers import find_decoder_layers
+
 
 class OffloadManager:
     """Orders the offloaded inputs of one forward, so backward can prefetch the next one it will need."""
@@ -134,8 +136,7 @@ def enable_selective_checkpointing(model, k: int) -> int:
     The first layers are the ones whose activations would live longest; `fitune estimate --grad-checkpointing
     selective:K` models the same choice. Returns how many layers checkpoint.
     """
-    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
-              and type(m).__name__.endswith("DecoderLayer")]
+    layers = find_decoder_layers(model)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < k
     return min(k, len(layers))

@@ -1,4 +1,4 @@
-"""fitune.train.data: reading, label masking, truncation, padding, packing isolation, resumable batches.
+"""fitune.data: reading, label masking, truncation, padding, packing isolation, resumable batches.
 
 A word-level tokenizer is built in the test (no downloads); the packing test runs a tiny random Llama on the CPU."""
 
@@ -10,12 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from fitune.errors import ConfigError  # noqa: E402
-from fitune.train.data import (  # noqa: E402
+from fitune.data import (  # noqa: E402
     IGNORE_INDEX,
     Batch,
     BatchStream,
-    DataError,
     Example,
     PackedSequence,
     collate,
@@ -27,6 +25,7 @@ from fitune.train.data import (  # noqa: E402
     split_batch,
     tokenize_records,
 )
+from fitune.errors import ConfigError, DataError  # noqa: E402
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 WORDS = (
@@ -173,14 +172,21 @@ def test_truncation_and_skips_are_counted(tok):
     ]
     examples, stats = tokenize_records(records[:3], tok, "text", 6)
     assert [len(e) for e in examples] == [6, 3] == stats.lengths
-    assert (stats.examples, stats.skipped_empty, stats.truncated_examples, stats.truncated_tokens) == (2, 1, 1, 3)
+    assert (stats.examples, stats.dropped_records, stats.truncated_records, stats.truncated_tokens) == (2, 1, 1, 3)
     assert stats.tokens == 9 and stats.trained_tokens == 5 + 2
+    assert stats.lengths_tokens == (9, 3) and stats.dropped_lines == stats.empty_lines == (3,)
+    assert "dropped 1 record: 1 with nothing to train on (line 3: the text is empty)" in stats.dropped_message()
     # a chat whose answer lies beyond seq_len has nothing left to train on: skipped, not kept with zero loss
     long_question = "hello how are you i am the cat on the mat"  # 15 tokens before the answer
     chat = {"messages": [{"role": "user", "content": long_question}, {"role": "assistant", "content": "hi"}]}
     examples, stats = tokenize_records([(1, chat), (2, CHAT)], tok, "chat", 14)
-    assert stats.skipped_empty == 1 and stats.examples == 1 and stats.truncated_examples == 1
+    # the dropped chat counts as truncated too: truncation is what left it with nothing to train on
+    assert stats.dropped_records == 1 and stats.examples == 1 and stats.truncated_records == 2
+    assert stats.truncated_away_lines == stats.dropped_lines == (1,) and stats.truncated_lines == (1, 2)
     assert examples[0].trained_tokens == 1 and examples[0].labels[-1] == tok.convert_tokens_to_ids("i")
+    assert "1 whose trained tokens all lie past seq_len 14 (line 1;" in stats.dropped_message()
+    assert stats.summary() == (f"1 example, 14 tokens (1 trained); 2 truncated at 14 tokens "
+                               f"({stats.truncated_tokens} tokens cut); 1 dropped without a token to train on")
 
 
 def test_no_trainable_record_is_an_error(tok):

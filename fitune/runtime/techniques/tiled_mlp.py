@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layers import find_decoder_layers
+
 TILE_TOKENS = 2048  # fitune.memory.estimate.TILE_TOKENS models the same tile
 
 
@@ -79,9 +81,9 @@ def tile_mlp(mlp: torch.nn.Module, tile_tokens: int = TILE_TOKENS) -> None:
 def enable_tiled_mlp(model, tile_tokens: int = TILE_TOKENS) -> int:
     """Tile the MLP of every decoder layer of a transformers causal LM (PEFT-wrapped or not). Returns the count."""
     n = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer") and hasattr(module, "mlp"):
-            tile_mlp(module.mlp, tile_tokens)
+    for layer in find_decoder_layers(model):
+        if hasattr(layer, "mlp"):
+            tile_mlp(layer.mlp, tile_tokens)
             n += 1
     if not n:
         raise ValueError("no decoder layer with an `mlp` found to tile")

@@ -1,0 +1,49 @@
+"""What several commands share: the TrainSetup flags (generated from the schema) and reading a config file."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
+
+
+def add_setup_arguments(p: argparse.ArgumentParser, *, model: bool = True, config: bool = True,
+                        skip: tuple[str, ...] = ()) -> None:
+    """MODEL, `--config FILE.yaml` and one flag per TrainSetup field (fitune/setup.py declares them).
+
+    Flags not given leave the config file's value (or the default) in place: flags always win over the file."""
+    from ..schema import add_arguments
+
+    if model:
+        p.add_argument("model", nargs="?", metavar="MODEL", help="catalog name (llama-3.1-8b), Hugging Face id "
+                       "(meta-llama/Llama-3.1-8B), config.json, or model folder")
+    if config:
+        p.add_argument("--config", metavar="FILE.yaml", help="a fitune train config: its model and setup keys "
+                       "(method, lora, seq_len, ...) are used; flags given here override them")
+    add_arguments(p, SETUP_KEYS, skip=skip, defaults=DEFAULT_SETUP.to_dict() | {"lora_targets": DEFAULT_SETUP.lora_targets},
+                  group_title="training setup (same names as the fitune train config's keys)")
+
+
+def setup_and_model(args, default_stack: str | None = None) -> tuple[str | None, TrainSetup, dict[str, str]]:
+    """(model, TrainSetup, origin) from `--config` (when given) with the flags applied on top.
+
+    `origin` maps each field set by the file to "yaml" and each set by a flag to "flag", for error messages."""
+    from ..schema import Problems, values_from_args
+
+    model = getattr(args, "model", None)
+    base = DEFAULT_SETUP if default_stack is None else DEFAULT_SETUP.replace(stack=default_stack)
+    origin: dict[str, str] = {}
+    if getattr(args, "config", None):
+        from ..config import config_keys_in
+        from ..schema import load_config_file
+
+        file_model, values = config_keys_in(load_config_file(args.config), args.config)
+        base = TrainSetup(**{"stack": "fitune", **values})  # a train config describes fitune's runner
+        origin.update({f: "yaml" for f in values})
+        model = model or file_model
+    problems = Problems()
+    flags = values_from_args(args, SETUP_KEYS, problems)
+    problems.raise_if_any()
+    origin.update({f: "flag" for f in flags})
+    return model, base.replace(**flags), origin
+

@@ -1,0 +1,246 @@
+"""TrainConfig: everything `fitune train` needs; its YAML is the saved form.
+
+```yaml
+model: path/to/hf-model-folder      # or a catalog name with `init: random` (and `tokenizer:`)
+data: {path: train.jsonl, format: chat, eval_path: eval.jsonl}
+method: lora
+lora: {rank: 8, alpha: 16, dropout: 0.0, targets: [q_proj, v_proj]}
+seq_len: 2048
+batch_size: 2
+grad_accum: 1
+max_steps: 1000                     # or epochs
+lr: 2e-4
+output_dir: runs/x
+```
+How the step trains (method, LoRA, dtype, checkpointing, attention, optimizer, batch, sequence, loss) is the
+shared `TrainSetup` (fitune/setup.py); the rest is here. Keys, flags and types come from the fields' schema
+(fitune/schema.py); `validate()` lists every problem at once, naming the YAML key or the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .schema import (Key, Problems, key, keys_of, label, to_mapping, values_from_args, values_from_mapping)
+from .setup import SETUP_KEYS, TrainSetup
+
+SCHEDULES = ("cosine", "linear", "constant")
+DATA_FORMATS = ("chat", "completion", "text")
+LOGGERS = ("tensorboard", "wandb")
+_SCHEDULE_ALIASES = {"constant_with_warmup": "constant", "cosine_with_warmup": "cosine", "linear_with_warmup": "linear",
+                     "cosine_with_restarts": "cosine"}
+_FORMAT_ALIASES = {"messages": "chat", "conversation": "chat", "sharegpt": "chat", "prompt_completion": "completion",
+                   "alpaca": "completion", "pretrain": "text", "raw": "text"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = key("", yaml="data.path", flag="--data", kind="str",
+                    help="training data: .jsonl, .json, .parquet, or a saved Hugging Face dataset folder")
+    format: str | None = key(None, yaml="data.format", flag="--data-format", kind="choice", choices=DATA_FORMATS,
+                             aliases=_FORMAT_ALIASES, optional=True,
+                             help="chat | completion | text; detected from the records when omitted")
+    eval_path: str | None = key(None, yaml="data.eval_path", flag="--eval-data", kind="str", optional=True,
+                                help="evaluation data, same formats")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = key("", kind="str", help="a Hugging Face model folder, or a catalog name / config.json with "
+                                          "init: random")
+    setup: TrainSetup = dataclasses.field(default_factory=lambda: TrainSetup(stack="fitune"))
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    output_dir: str = key("runs/fitune", kind="str", help="where checkpoints, metrics.jsonl, the adapter (and "
+                                                         "merged weights) go")
+    init: str = key("pretrained", kind="choice", choices=("pretrained", "random"),
+                    help="pretrained (load the folder's weights) | random (random weights from the config: smoke "
+                         "runs, benchmarks)")
+    tokenizer: str | None = key(None, kind="str", optional=True, help="tokenizer folder (default: the model folder)")
+    trust_remote_code: bool = key(False, kind="bool", help="run code shipped with the model (only with the literal "
+                                                           "true)")
+    max_steps: int | None = key(None, kind="int", optional=True, minimum=1, maximum=10**9,
+                                help="optimizer steps (or give epochs)")
+    epochs: float | None = key(None, kind="float", optional=True, minimum=0, exclusive_minimum=True, maximum=10**4,
+                               help="passes over the data (or give max_steps)")
+    lr: float = key(2.0e-4, kind="float", minimum=0, exclusive_minimum=True, maximum=1.0,
+                    help="peak learning rate")
+    weight_decay: float = key(0.0, kind="float", minimum=0, maximum=10.0, help="AdamW weight decay")
+    schedule: str = key("cosine", kind="choice", choices=SCHEDULES, aliases=_SCHEDULE_ALIASES,
+                        help="cosine | linear | constant, after the warm-up")
+    warmup_steps: int = key(0, kind="int", minimum=0, maximum=10**9, help="linear warm-up steps")
+    max_grad_norm: float | None = key(1.0, kind="float", optional=True, minimum=0, exclusive_minimum=True,
+                                      maximum=1e6, help="gradient clipping norm (null: off)")
+    seed: int = key(0, kind="int", minimum=0, maximum=2**32 - 1, help="seed of the data order, init and dropout")
+    packing: bool = key(False, kind="bool", help="pack short examples into full sequences (attention kept inside "
+                                                 "each example)")
+    packing_attention: str = key("varlen", kind="choice", choices=("varlen", "mask"),
+                                 help="with packing: varlen (each example attended on its own, no mask tensor) | "
+                                      "mask (a block-diagonal mask, rows x length^2 bytes)")
+    eval_every: int | None = key(None, kind="int", optional=True, minimum=1, maximum=10**9,
+                                 help="evaluate every N steps (and at the end) when data.eval_path is set")
+    save_every: int | None = key(None, kind="int", optional=True, minimum=1, maximum=10**9,
+                                 help="write a resumable checkpoint every N steps (and at the end)")
+    save_every_minutes: float | None = key(30.0, kind="float", optional=True, minimum=0, exclusive_minimum=True,
+                                           maximum=10**6, unit="minutes",
+                                           help="also checkpoint when this many minutes passed since the last one "
+                                                "(null: off), so a killed run loses at most that")
+    keep_checkpoints: int = key(2, kind="int", minimum=1, maximum=10**6,
+                                help="how many of this run's newest checkpoints to keep (another run's are never "
+                                     "deleted)")
+    report_to: tuple[str, ...] = key((), kind="names", choices=LOGGERS, metavar="tensorboard,wandb",
+                                     help="loggers besides metrics.jsonl: tensorboard | wandb (offline without a key)")
+    log_every: int = key(1, kind="int", minimum=1, maximum=10**9, help="print a progress line every N steps")
+    merge: bool = key(False, kind="bool", help="also write the base model with the adapter merged in")
+    oom_guard: bool = key(True, kind="bool", help="on CUDA out of memory, re-plan (smaller micro-batches, then "
+                                                  "checkpointing) and retry the step")
+    cap: str | None = key(None, kind="str", optional=True, metavar="GPU|NGiB",
+                          help="limit PyTorch's allocator to this GPU's budget (rtx4090, 23.4GiB): rehearse a smaller "
+                               "card on a big one")
+
+    def validate(self, origin: dict[str, str] | None = None) -> "TrainConfig":
+        """Every problem at once; each names the YAML key (or the flag, when `origin` says the value came from one)."""
+        origin = origin or {}
+        by_field = {k.field: k for k in ALL_KEYS}
+
+        def name(f: str) -> str:
+            return label(by_field[f], origin.get(f, "yaml"))
+
+        problems: list[str] = []
+        try:
+            self.setup.validate(origin={f: origin.get(f, "yaml") for f in (k.field for k in SETUP_KEYS)})
+        except ConfigError as exc:
+            problems += exc.problems
+        if not self.model:
+            problems.append(f"{name('model')} missing; give a Hugging Face model folder (or a catalog name with "
+                            "init: random)")
+        if self.init == "pretrained" and self.model and not os.path.isdir(self.model):
+            problems.append(f"{name('model')} {self.model!r} is not a folder; pretrained weights load from a Hugging "
+                            "Face model folder (for a catalog name use init: random and tokenizer:)")
+        if not self.data.path:
+            problems.append(f"{name('path')} missing; point it at a .jsonl / .json / .parquet file or a dataset folder")
+        elif not os.path.exists(self.data.path):
+            problems.append(f"{name('path')} {self.data.path} does not exist")
+        if self.data.eval_path and not os.path.exists(self.data.eval_path):
+            problems.append(f"{name('eval_path')} {self.data.eval_path} does not exist")
+        if (self.max_steps is None) == (self.epochs is None):
+            problems.append(f"{name('max_steps')} / {name('epochs')} give exactly one of them")
+        if self.cap is not None:
+            from .errors import UnknownGpuError
+            from .specs.gpu import resolve_gpu
+
+            try:
+                resolve_gpu(str(self.cap))
+            except UnknownGpuError as exc:
+                problems.append(f"{name('cap')} {exc}")
+        if self.init == "random" and not self.tokenizer and not (self.model and os.path.isdir(self.model)):
+            problems.append(f"{name('tokenizer')} needed with init: random and a catalog model (a tokenizer folder)")
+        if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            problems.append(f"{name('output_dir')} {self.output_dir} is a file; give a folder")
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict:
+        """The YAML form (nested: lora:, data:), every field written; `config_from_dict` reads it back."""
+        defaults = flat_values(TrainConfig())
+        return to_mapping(flat_values(self), ALL_KEYS, keep_none=[f for f, v in defaults.items() if v is not None])
+
+
+CONFIG_KEYS: list[Key] = keys_of(TrainConfig)
+DATA_KEYS: list[Key] = keys_of(DataConfig)
+#: Every key of a `fitune train` config, in the order the YAML form writes them.
+ALL_KEYS: list[Key] = CONFIG_KEYS[:1] + DATA_KEYS + SETUP_KEYS + CONFIG_KEYS[1:]
+
+
+def flat_values(cfg: TrainConfig) -> dict:
+    """{field: value} over the config, its data and its setup (field names are unique across the three)."""
+    out = {k.field: getattr(cfg, k.field) for k in CONFIG_KEYS}
+    out.update({k.field: getattr(cfg.data, k.field) for k in DATA_KEYS})
+    out.update({k.field: getattr(cfg.setup, k.field) for k in SETUP_KEYS})
+    return out
+
+
+def config_from_dict(doc: dict, source: str = "config", overrides: dict | None = None,
+                     flag_values: dict | None = None) -> TrainConfig:
+    """Build and validate a TrainConfig from a YAML mapping.
+
+    `overrides`: dotted YAML keys from `--set key=value` (YAML values); `flag_values`: {field: value} from the
+    command-line flags (`values_from_args`). Both win over the file; a problem names the flag for a flag's value.
+    """
+    problems = Problems()
+    if not isinstance(doc, dict):
+        problems.add(f"{source}: expected a mapping of keys (model:, data:, method:, ...)")
+        problems.raise_if_any()
+    merged = _merge(doc, overrides or {}, problems)
+    values = values_from_mapping(merged, ALL_KEYS, source, problems, shorthand={"data": "path"})
+    origin = {f: "yaml" for f in values}
+    for f, v in (flag_values or {}).items():
+        values[f] = v
+        origin[f] = "flag"
+    # A given max_steps replaces the file's epochs (and the other way round): they are one choice.
+    for one, other in (("max_steps", "epochs"), ("epochs", "max_steps")):
+        if origin.get(one) == "flag" and origin.get(other) == "yaml":
+            values.pop(other)
+    problems.raise_if_any()
+    cfg = config_from_values(values)
+    cfg.validate(origin)
+    return cfg
+
+
+def config_from_values(values: dict) -> TrainConfig:
+    """A TrainConfig from {field: value} (fields of TrainConfig, DataConfig and TrainSetup), defaults elsewhere."""
+    setup_fields = {k.field for k in SETUP_KEYS}
+    data_fields = {k.field for k in DATA_KEYS}
+    setup = TrainSetup(**{"stack": "fitune", **{f: v for f, v in values.items() if f in setup_fields}})
+    data = DataConfig(**{f: v for f, v in values.items() if f in data_fields})
+    rest = {f: v for f, v in values.items() if f not in setup_fields and f not in data_fields}
+    return TrainConfig(setup=setup, data=data, **rest)
+
+
+def train_values_from_args(args, skip: tuple[str, ...] = ()) -> dict:
+    """{field: value} of every train-config flag given on the command line."""
+    problems = Problems()
+    values = values_from_args(args, [k for k in ALL_KEYS if k.field not in skip], problems)
+    problems.raise_if_any()
+    return values
+
+
+def _merge(doc: dict, overrides: dict, problems: Problems) -> dict:
+    """`doc` with dotted `--set` keys applied (`lora.rank=16` sets doc['lora']['rank'])."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in doc.items()}
+    for dotted, value in overrides.items():
+        parts = str(dotted).split(".")
+        node = out
+        for part in parts[:-1]:
+            inner = node.get(part)
+            if isinstance(inner, str) and part == "data":
+                inner = {"path": inner}
+            if inner is None:
+                inner = {}
+            if not isinstance(inner, dict):
+                problems.add(f"--set {dotted}: {part} is not a section")
+                break
+            node[part] = inner = dict(inner)
+            node = inner
+        else:
+            node[parts[-1]] = value
+    return out
+
+
+def config_keys_in(doc: dict, source: str) -> tuple[str | None, dict]:
+    """(model, {setup field: value}) of a `fitune train` config, for commands that estimate or profile it: every
+    key is checked against the schema (unknown ones get a "did you mean"), the setup values are returned."""
+    problems = Problems()
+    values = values_from_mapping(doc, ALL_KEYS, source, problems, shorthand={"data": "path"})
+    problems.raise_if_any()
+    setup_fields = {k.field for k in SETUP_KEYS}
+    return values.get("model"), {f: v for f, v in values.items() if f in setup_fields}
+
+
+def setup_from_config(doc: dict, source: str = "config") -> tuple[str | None, TrainSetup]:
+    """(model, TrainSetup) of a `fitune train` config mapping (stack fitune unless the file says otherwise)."""
+    model, values = config_keys_in(doc, source)
+    return model, TrainSetup(**{"stack": "fitune", **values})

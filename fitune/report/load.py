@@ -1,0 +1,104 @@
+"""Reading a report's input: the JSON a command printed with --json (a file or stdin), or a run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..errors import FituneError
+
+KINDS = ("estimate", "plan", "profile", "train", "doctor")
+
+_SIGNATURE = {  # keys that tell the documents apart (the README's / docs/plan.md's JSON output)
+    "plan": ("plans", "request"),
+    "profile": ("estimate", "difference_bytes"),
+    "estimate": ("breakdown", "peak_phase"),
+}
+
+
+def guess_kind(doc) -> str | None:
+    """Which command printed `doc`: plan, profile, estimate or doctor; None when none matches."""
+    if isinstance(doc, list):
+        return "doctor" if all(isinstance(x, dict) and "rule" in x for x in doc) else None
+    if not isinstance(doc, dict):
+        return None
+    if "findings" in doc:
+        return "doctor"
+    for kind, keys in _SIGNATURE.items():
+        if all(k in doc for k in keys):
+            return kind
+    return None
+
+
+def read_json(source: str, what: str = "INPUT"):
+    """A JSON document from a file, or from stdin when `source` is "-". NaN is accepted (fitune writes it for a
+    step that never ran)."""
+    try:
+        if source == "-":
+            text = sys.stdin.read()
+            name = "stdin"
+        else:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+            name = source
+    except FileNotFoundError:
+        raise FituneError(f"{what} {source}: no such file; write one with e.g. "
+                          "`fitune estimate llama-3.1-8b --gpu rtx4090 --json > estimate.json`") from None
+    except IsADirectoryError:
+        raise FituneError(f"{what} {source} is a folder; only `fitune report train` takes a run folder") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FituneError(f"{what} {source}: cannot be read ({exc})") from None
+    if not text.strip():
+        raise FituneError(f"{what} {name} is empty; pass the output of a command run with --json")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FituneError(f"{what} {name} is not JSON ({exc.msg} at line {exc.lineno}); pass what a fitune command "
+                          "printed with --json (its text output is not JSON)") from None
+
+
+def check_kind(kind: str, doc, source: str, flag: str | None = None) -> None:
+    """Raise a FituneError when `doc` is not the JSON of `fitune KIND --json`, naming the kind it looks like."""
+    if kind not in KINDS:
+        raise FituneError(f"unknown report {kind!r}; known: {', '.join(KINDS)}")
+    ok = guess_kind(doc) == kind or (kind == "estimate" and isinstance(doc, dict) and "peak_allocated_bytes" in doc
+                                     and guess_kind(doc) is None)
+    if kind == "profile" and isinstance(doc, dict) and "oom" in doc and "phases" in doc:
+        ok = True
+    if kind == "doctor" and doc == []:
+        ok = True
+    if ok:
+        return
+    looks = guess_kind(doc)
+    if looks and flag:
+        hint = f"; it looks like `fitune {looks} --json`"
+    elif looks:
+        hint = f"; it looks like `fitune {looks} --json`: run `fitune report {looks} {source}`"
+    else:
+        hint = "; pass what the command printed with --json"
+    raise FituneError(f"{flag + ' ' if flag else ''}{source} is not the JSON of `fitune {kind} --json`{hint}")
+
+
+def load_document(kind: str, source: str, measured: str | None = None, script: str | None = None) -> dict | list:
+    """The document `render_html(kind, ...)` takes, read from `source` (JSON file, "-" for stdin, or for
+    `train` a run folder). `script`: the doctor's script, whose text the report shows."""
+    if kind == "train":
+        from .train import read_run
+
+        return read_run(source)
+    doc = read_json(source)
+    check_kind(kind, doc, "stdin" if source == "-" else source)
+    if kind == "doctor":
+        from .doctor import as_doc
+
+        path = script or (doc.get("script") if isinstance(doc, dict) else None)
+        return as_doc(doc, path, read_source(path) if path else None)
+    return doc
+
+
+def read_source(path: str) -> str:
+    if not os.path.isfile(path):
+        raise FituneError(f"--script {path}: no such file (the script the doctor's findings are about)")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()

@@ -1,0 +1,137 @@
+"""The `profile` report: measured against estimated per category, phase peaks, speed, the memory timeline when the
+document carries one, and the post-mortem of an out-of-memory error."""
+
+from __future__ import annotations
+
+from .categories import ordered
+from .charts import BarRow, Marker, Segment, Series, legend, line_chart, stacked_bars
+from .common import breakdown_table, setup_line
+from .estimate import peak_row
+from .html import OKABE_ITO, esc, num_bytes, num_value
+
+PHASE_COLORS = {"forward": OKABE_ITO["sky_blue"], "backward": OKABE_ITO["orange"], "optimizer": OKABE_ITO["bluish_green"]}
+
+
+def render(doc: dict) -> tuple[str, str]:
+    model = doc.get("model", "?")
+    cap = doc.get("cap_bytes")
+    marker = Marker(cap, "allocator cap", "cap_bytes") if cap else None
+    est = doc.get("estimate") or {}
+    out = [f"<h1>{esc(model)}: a measured training step</h1>",
+           f'<p class="sub">{esc(setup_line(doc.get("setup") or {}))} &middot; '
+           f'{num_value(doc.get("steps"), "steps")} step(s) on {esc(doc.get("device", "?"))}'
+           + (f", allocator capped at {num_bytes(cap, 'cap_bytes')}" if cap else "") + "</p>"]
+    oom = doc.get("oom")
+    if oom:
+        out.append(f'<div class="verdict bad" data-verdict="oom">OUT OF MEMORY in the {esc(oom.get("phase", "?"))}</div>')
+        out.append(_oom(oom, marker))
+
+    if doc.get("steps"):
+        out.append(f"<h2>At the measured peak ({esc(doc.get('peak_phase', '?'))}): measured and estimated</h2>")
+        rows = [peak_row("measured", doc)]
+        if est:
+            rows.append(peak_row("estimate", est, prefix="estimate."))
+        out.append(stacked_bars(rows, marker, caption="measured and estimated peak by category"))
+        out.append(legend([c for c, _ in ordered({k: 0 for r in rows for s in r.segments for k in [s.category.key]})]))
+        columns = [("measured", doc.get("breakdown") or {}, "breakdown.", None)]
+        if est:
+            columns.append(("estimated", {k: v for k, v in (est.get("breakdown") or {}).items()
+                                          if k != "allocator_overhead"}, "estimate.breakdown.", None))
+        out.append(breakdown_table(columns, diff=(0, 1) if est else None))
+        out.append("<table><tr><th></th><th class=\"n\">measured</th><th class=\"n\">estimated</th></tr>"
+                   f"<tr><td>peak allocated</td><td class=\"n\">{num_bytes(doc.get('peak_allocated_bytes'), 'peak_allocated_bytes')}</td>"
+                   f"<td class=\"n\">{num_bytes(est.get('peak_allocated_bytes'), 'estimate.peak_allocated_bytes')}</td></tr>"
+                   f"<tr><td>peak reserved</td><td class=\"n\">{num_bytes(doc.get('peak_reserved_bytes'), 'peak_reserved_bytes')}"
+                   + ("" if doc.get("peak_reserved_bytes") is not None else
+                      ' <span class="notes">(the CPU has no caching allocator)</span>')
+                   + f"</td><td class=\"n\">{num_bytes(est.get('peak_reserved_bytes'), 'estimate.peak_reserved_bytes')}</td></tr>"
+                   "</table>")
+
+    phases = doc.get("phases") or {}
+    if phases:
+        out.append("<h2>Phase peaks (allocated, measured)</h2>")
+        prow = [BarRow(name, [Segment(c, v, f"phases.{name}.breakdown.{c.key}") for c, v in ordered(ph.get("breakdown") or {})],
+                       ph.get("peak_allocated_bytes"), f"phases.{name}.peak_allocated_bytes", row_id=f"phase-{name}")
+                for name, ph in phases.items()]
+        out.append(stacked_bars(prow, marker, caption="peak allocated per phase"))
+
+    timeline = doc.get("timeline") or []
+    if timeline:
+        out.append("<h2>Memory over time</h2>")
+        out.append(_timeline(timeline))
+
+    if doc.get("steps"):
+        out.append("<h2>Speed and the allocator</h2><ul>")
+        out.append(f"<li>{_tps(doc)} tokens/s "
+                   f"({num_value(doc.get('step_time_s'), 'step_time_s', _secs(doc.get('step_time_s')))} per step of "
+                   f"{num_value(doc.get('tokens_per_step'), 'tokens_per_step')} tokens)</li>")
+        if doc.get("mfu") is not None:
+            out.append(f"<li>MFU {_mfu(doc)}</li>")
+        if doc.get("num_alloc_retries") is not None:
+            out.append(f"<li>allocator: {num_value(doc['num_alloc_retries'], 'num_alloc_retries')} retries, fragmentation "
+                       f"at the peak {num_bytes(doc.get('fragmentation_bytes'), 'fragmentation_bytes')}</li>")
+        out.append("</ul>")
+    return f"fitune profile: {model}", "\n".join(out)
+
+
+def _tps(doc: dict) -> str:
+    return num_value(doc.get("tokens_per_s"), "tokens_per_s", f"{doc.get('tokens_per_s') or 0:,.0f}")
+
+
+def _mfu(doc: dict) -> str:
+    return num_value(doc["mfu"], "mfu", f"{100 * doc['mfu']:.1f} %")
+
+
+def _secs(x) -> str:
+    return "n/a" if x is None else f"{x:.3f} s"
+
+
+def _timeline(timeline: list) -> str:
+    """`timeline`: [t_s, phase, live_bytes] samples; the phases shaded."""
+    points = [(float(t), int(b), f"timeline.{i}.2") for i, (t, _, b) in enumerate(timeline)]
+    bands, start = [], 0
+    for i in range(1, len(timeline) + 1):
+        if i == len(timeline) or timeline[i][1] != timeline[start][1]:
+            phase = timeline[start][1]
+            end = timeline[i][0] if i < len(timeline) else timeline[i - 1][0]
+            bands.append((float(timeline[start][0]), float(end), str(phase),
+                          PHASE_COLORS.get(phase, OKABE_ITO["grey"])))
+            start = i
+    chart = line_chart([Series("live tensors", OKABE_ITO["blue"], points)], title="live tensors over time",
+                       bytes_axis=True, width=1140, height=300, x_label="seconds", bands=bands)
+    keys = '<div class="legend">' + "".join(
+        f'<span><span class="swatch" style="background:{c};opacity:.5"></span>{esc(p)}</span>'
+        for p, c in PHASE_COLORS.items()) + "</div>"
+    return chart + keys
+
+
+def _oom(o: dict, marker) -> str:
+    budget = o.get("budget_bytes")
+    out = [f"<p>{esc(o.get('message', ''))}</p>",
+           f"<p>a request of {num_bytes(o.get('requested_bytes'), 'oom.requested_bytes')} failed with "
+           f"{num_bytes(o.get('live_bytes'), 'oom.live_bytes')} live"
+           + (f" of a {num_bytes(budget, 'oom.budget_bytes')} budget" if budget else "")
+           + f"; fitune's estimate for the whole step: {num_bytes(o.get('estimate_peak_allocated_bytes'), 'oom.estimate_peak_allocated_bytes')} allocated</p>"]
+    live = o.get("live_by_category") or {}
+    m = Marker(budget, "budget", "oom.budget_bytes") if budget else marker
+    rows = [BarRow("live at the failure", [Segment(c, v, f"oom.live_by_category.{c.key}") for c, v in ordered(live)],
+                   o.get("live_bytes"), "oom.live_bytes", "live")]
+    if o.get("estimate_breakdown"):
+        rows.append(BarRow("estimate of the step", [Segment(c, v, f"oom.estimate_breakdown.{c.key}")
+                                                    for c, v in ordered(o["estimate_breakdown"])],
+                           o.get("estimate_peak_reserved_bytes"), "oom.estimate_peak_reserved_bytes", "reserved"))
+    out.append(stacked_bars(rows, m, caption="what was live when memory ran out"))
+    out.append(legend([c for c, _ in ordered({**live, **(o.get("estimate_breakdown") or {})})]))
+    sources = o.get("top_sources") or []
+    if sources:
+        out.append("<h3>Largest sources of live memory</h3><table><tr><th>source</th><th class=\"n\">bytes</th></tr>"
+                   + "".join(f"<tr><td><code>{esc(s.get('source'))}</code></td><td class=\"n\">"
+                             f"{num_bytes(s.get('bytes'), f'oom.top_sources.{i}.bytes')}</td></tr>"
+                             for i, s in enumerate(sources)) + "</table>")
+    sugg = o.get("suggestions") or []
+    if sugg:
+        out.append("<h3>Changes that fit</h3><ul>" + "".join(
+            f"<li><code>{esc(s.get('change'))}</code>: "
+            f"{num_bytes(s.get('peak_reserved_bytes'), f'oom.suggestions.{i}.peak_reserved_bytes')} reserved</li>"
+            for i, s in enumerate(sugg)) + "</ul>")
+    return "\n".join(out)

@@ -1,0 +1,259 @@
+"""Build the model a run trains and prepare it for its method: the one model builder of fitune.
+
+    build_model(source, ...)            a pretrained folder, or random weights from a config (catalog name,
+                                        config.json, ModelSpec, dict); dtype; attention; NF4 (QLoRA)
+    build_model_for_setup(source, s)    the same with the dtype / attention / quantisation a TrainSetup implies
+    prepare_model(model, s)             PEFT LoRA / freeze / full, fitune's techniques, checkpointing
+
+The HF recipe (what `fitune estimate --stack hf` models and bench/hf_recipe.py measures) is the same builder with
+transformers' defaults: bf16, `attn_implementation`, PEFT `get_peft_model(model, LoraConfig(r, lora_alpha=16,
+target_modules, lora_dropout=0.0, task_type="CAUSAL_LM"))` (PEFT keeps the adapter weights in fp32) and, when
+checkpointing, `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})` with
+`enable_input_require_grads()`; `prepare_model` of a `stack: hf` setup does exactly that and nothing more.
+
+QLoRA: the decoder's `nn.Linear` layers become bitsandbytes `Linear4bit` (NF4, double quantisation, bf16
+compute); embeddings and lm_head stay bf16.
+
+Imports torch at import; transformers, peft and bitsandbytes inside the functions that use them. Callers import
+this module where they need it (never at their own import).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigError
+from .device import torch_dtype
+from .layers import find_decoder_layers
+
+if TYPE_CHECKING:
+    from ..setup import TrainSetup
+
+log = logging.getLogger(__name__)
+
+ALL_LINEAR = "all-linear"
+INITS = ("auto", "pretrained", "random")
+"""auto: load the weights when `source` is a folder holding them, else random; pretrained; random."""
+
+_CONFIG_KEYS_NOT_FOR_INIT = ("architectures", "torch_dtype", "model_type", "dtype")
+
+
+def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", device: str = "cpu",
+                quantize: str | None = None, init: str = "auto", trust_remote_code: bool = False):
+    """The causal LM of `source` in training mode on `device`.
+
+    Args:
+        source: a model folder (its weights are loaded), or a config to draw random weights from: a config.json
+            dict, a ModelSpec, a catalog name or a config.json path. Memory does not depend on the weights' values.
+        dtype_name: bf16 | fp16 | fp32, the weights' dtype (NF4 layers compute in bf16).
+        attn: transformers' attn_implementation (sdpa, eager, flash_attention_2); fitune's "flash" runs as sdpa.
+        quantize: None, or "nf4": the decoder's linears become bitsandbytes NF4 (CUDA only). A pretrained folder
+            is loaded through transformers' BitsAndBytesConfig; random weights are quantised on the GPU after init.
+        init: "pretrained", "random", or "auto" (pretrained when `source` is a folder with weight files).
+    Raises:
+        ConfigError: NF4 without a CUDA GPU, or an unknown `init`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if init not in INITS:
+        raise ConfigError(f"init: {init!r} is not one of: {', '.join(INITS)}")
+    if quantize not in (None, "nf4"):
+        raise ConfigError(f"quantize: {quantize!r} is not one of: nf4 (or none)")
+    if quantize == "nf4" and device != "cuda":
+        raise ConfigError("method qlora needs a CUDA GPU (bitsandbytes NF4 kernels); run it on a GPU, or use method "
+                          "lora on this machine")
+    attn = "sdpa" if attn == "flash" else attn
+    if init == "auto":
+        init = "pretrained" if _has_weights(source) else "random"
+    if init == "random":
+        config = _hf_config(source)
+        kwargs = {k: v for k, v in config.items() if k not in _CONFIG_KEYS_NOT_FOR_INIT}
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.for_model(config["model_type"], **kwargs)
+        with torch.device(device):  # weights are created where they live: no CPU copy of a 16 GB model
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
+                                                     attn_implementation=attn)
+        if quantize == "nf4":
+            quantize_decoder_to_nf4(model)
+    else:
+        kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
+                  "trust_remote_code": trust_remote_code}
+        if quantize == "nf4":
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16)
+            kwargs["device_map"] = {"": 0}
+        model = AutoModelForCausalLM.from_pretrained(str(source), **kwargs)
+        if quantize is None:
+            model.to(device)
+    model.train()
+    return model
+
+
+def build_model_for_setup(source: Any, s: TrainSetup, device: str, *, init: str = "auto",
+                          trust_remote_code: bool = False):
+    """`build_model` with what `s` implies: NF4 and bf16 for QLoRA, else `s.dtype`; `s.attn`."""
+    qlora = s.method == "qlora"
+    return build_model(source, dtype_name="bf16" if qlora else s.dtype, attn=s.attn, device=device,
+                       quantize="nf4" if qlora else None, init=init, trust_remote_code=trust_remote_code)
+
+
+def build_random_model(hf_config: dict, attn: str = "sdpa", device: str = "cuda", dtype_name: str = "bf16"):
+    """A causal LM with random weights from a config.json dict, directly on `device` (`build_model`, init random)."""
+    return build_model(hf_config, dtype_name=dtype_name, attn=attn, device=device, init="random")
+
+
+def _has_weights(source: Any) -> bool:
+    return isinstance(source, str) and os.path.isdir(source) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
+
+
+def _hf_config(source: Any) -> dict:
+    """The config.json dict of a dict, a ModelSpec, a catalog name, a config.json or a model folder."""
+    if isinstance(source, dict):
+        return source
+    if hasattr(source, "hf_config"):
+        return source.hf_config
+    from ..specs.model import load_model_spec
+
+    return load_model_spec(str(source)).hf_config
+
+
+def quantize_decoder_to_nf4(model) -> int:
+    """Replace every `nn.Linear` inside the decoder layers with a bitsandbytes NF4 `Linear4bit` (in place).
+
+    Quantises on the weights' own device (fast on a GPU). Embeddings and lm_head are left as they are.
+    Returns the number of layers replaced.
+    """
+    import bitsandbytes as bnb
+
+    replaced = 0
+    for layer in find_decoder_layers(model):
+        for _, parent in list(layer.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+                weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                           quant_type="nf4", module=q)
+                q.weight = weight.to(child.weight.device)  # quantises here, on the GPU
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, child_name, q)
+                del child, weight  # the bf16 weight is freed once nothing refers to it
+                replaced += 1
+    return replaced
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer in `path` (a model or tokenizer folder), with a pad token (its eos when it has none).
+
+    Raises:
+        ConfigError: no tokenizer can be loaded from `path`, or it has neither a pad nor an eos token.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc}); set `tokenizer:` to a folder "
+                          "holding tokenizer.json / tokenizer_config.json") from exc
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ConfigError(f"tokenizer {path}: it has neither a pad nor an eos token; add a pad token")
+        tok.pad_token = tok.eos_token  # padding positions carry label -100 and attention 0: any id will do
+    return tok
+
+
+# ---- the method and the techniques ---------------------------------------------------------------------
+
+
+def prepare_model(model, s: TrainSetup):
+    """The method's trainable parameters (LoRA adapters, the last layers for freeze, everything for full) and the
+    memory techniques of `s`: Liger kernels, lean LoRA, lean RMSNorm, tiled MLP, checkpointing (full, offloaded,
+    selective). A `stack: hf` setup has no techniques (TrainSetup.validate): PEFT's LoRA and transformers'
+    checkpointing only, the HF recipe.
+    Shared by train, profile and the GPU benchmarks. (The allocator's settings are made before CUDA starts:
+    `fitune.runtime.device.configure_allocator`.) Returns the model to train (PEFT's wrapper for LoRA)."""
+    if s.kernels == "liger":  # before LoRA wraps the projections: Liger patches the base model's modules
+        from .techniques.fused_kernels import enable_liger_kernels
+
+        enable_liger_kernels(model)
+    if s.method in ("lora", "qlora"):
+        targets = ALL_LINEAR if s.all_linear else list(s.lora_targets)
+        model = wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha)
+    elif s.method == "freeze":
+        layers = find_decoder_layers(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in list(layers)[-s.freeze_trainable_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    if s.lean_lora:
+        from .techniques.lean_lora import enable_lean_lora
+
+        enable_lean_lora(model)
+    if s.lean_norm:
+        from .techniques.lean_norm import enable_lean_norm
+
+        enable_lean_norm(model)
+    if s.tiled_mlp:
+        from .techniques.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)
+    if s.grad_checkpointing != "none":
+        set_checkpointing(model, True)
+        from .techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
+
+        if s.checkpointed_layers_mode == "offload":
+            enable_offloaded_checkpointing(model)
+        elif s.checkpointed_layers_mode == "selective":
+            enable_selective_checkpointing(model, s.selective_k())
+    return model
+
+
+def wrap_lora(model, rank: int, targets: list[str] | str, alpha: int = 16):
+    """PEFT's `get_peft_model` as the recipe writes it: dropout 0, the adapters in fp32 (PEFT's default)."""
+    from peft import LoraConfig, get_peft_model
+
+    target_modules = ALL_LINEAR if targets == ALL_LINEAR or targets == [ALL_LINEAR] else list(targets)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def set_checkpointing(model, on: bool) -> None:
+    """Turn transformers' activation checkpointing on (non-reentrant, as the recipe does) or off completely."""
+    if on:
+        enable_checkpointing(model)
+    else:
+        disable_checkpointing(model)
+
+
+def enable_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()  # the embeddings' output requires grad: checkpointed layers get gradients
+
+
+def disable_checkpointing(model) -> None:
+    """Undo `enable_checkpointing` completely.
+
+    transformers' `gradient_checkpointing_enable` already registers an input-requires-grad hook on a PEFT model,
+    and the recipe's own `enable_input_require_grads()` registers a second one that replaces the first in
+    `_require_grads_hooks`, so `disable_input_require_grads()` leaves one behind. Remove every such hook.
+    """
+    model.gradient_checkpointing_disable()
+    model.disable_input_require_grads()
+    embeddings = model.get_input_embeddings()
+    for key, hook in list(embeddings._forward_hooks.items()):
+        if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+            del embeddings._forward_hooks[key]

@@ -1,0 +1,156 @@
+"""The one training step: forward, backward over the micro-batches, then the optimizer. `fitune train`, `fitune
+profile` (both stacks) and the GPU benchmarks all run `train_step`; they differ only in what they pass:
+
+    train      micro-batches of fitune.data batches, num_items = the step's trained tokens, fp16 scaler, clipping
+    profile    one token tensor; `recipe=True` for `--stack hf`; `phase=` measures forward / backward / optimizer
+    bench      token tensors split into micro-batches; bench/hf_recipe.py records CUDA counters per phase
+
+    for each micro-batch:  forward -> loss   (the whole step's normalisation, see `train_step`)
+                           backward          (gradients accumulate in .grad)
+    [unscale] [clip] optimizer step, zero_grad(set_to_none)
+
+Imports torch at import; callers import this module where they need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+PhaseHook = Callable[[str], ContextManager]
+"""`phase(name)` returns a context manager entered around each phase: "forward", "backward", "optimizer"."""
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports."""
+
+    loss: float
+    """The step's loss: with `num_items`, the summed token loss / the step's trained tokens; without, the mean of
+    the micro-batches' mean token losses."""
+    micro_batches: int
+    loss_scale_before: float | None = None
+    """fp16: the GradScaler's scale before the step (None without a scaler)."""
+    loss_scale: float | None = None
+    """fp16: the scale after the step; lower than before when the gradients overflowed (the step was skipped)."""
+
+    @property
+    def overflowed(self) -> bool:
+        return self.loss_scale is not None and self.loss_scale < self.loss_scale_before
+
+
+def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None = None, recipe: bool = False):
+    """The loss tensor of one micro-batch.
+
+    Args:
+        batch: a (batch, seq) token tensor (labels = inputs), or an object with `input_ids`, `labels` and optional
+            `attention_mask` / `position_ids` tensors (fitune.data's batches).
+        loss: "hf" (transformers' loss over the full logits) or "chunked" (fitune's chunked loss: the logits of
+            the whole sequence never exist).
+        num_items: divide the summed token losses by this (transformers' `num_items_in_batch`); None: the mean.
+        recipe: the HF recipe's call as users write it: `model(input_ids=ids, labels=ids).loss` (the config's
+            KV-cache default, transformers' mean loss); `loss` and `num_items` are not used.
+    """
+    if isinstance(batch, torch.Tensor):
+        input_ids = labels = batch
+        extra = {}
+    else:
+        input_ids, labels = batch.input_ids, batch.labels
+        extra = {k: getattr(batch, k, None) for k in ("attention_mask", "position_ids")}
+        extra = {k: v for k, v in extra.items() if v is not None}
+    if recipe:
+        return model(input_ids=input_ids, labels=labels, **extra).loss
+    device = next(model.parameters()).device
+    # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
+    # apart by their restarting position_ids) only when no cache is passed
+    kwargs = {"use_cache": False, **{k: v.to(device) for k, v in extra.items()}}
+    num = torch.tensor(num_items, device=device) if num_items is not None else None
+    if loss == "chunked":  # never materialise the whole sequence's logits
+        from .techniques.chunked_loss import causal_lm_chunked_loss
+
+        return causal_lm_chunked_loss(model, input_ids.to(device), labels.to(device), num_items=num, **kwargs)
+    if num is not None:
+        kwargs["num_items_in_batch"] = num
+    return model(input_ids=input_ids.to(device), labels=labels.to(device), **kwargs).loss
+
+
+def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "hf", recipe: bool = False,
+               num_items: int | None = None, scaler=None, max_grad_norm: float | None = None,
+               phase: PhaseHook | None = None, before_micro_batch: Callable[[int], None] | None = None) -> StepStats:
+    """One optimizer step over `micro_batches` (gradient accumulation when there are several).
+
+    Args:
+        micro_batches: what `forward_loss` takes, one per forward / backward.
+        num_items: the step's trained-token count: each micro-batch's loss is its summed token loss / num_items,
+            so the gradient does not depend on how the step's data is split into micro-batches. None: each
+            micro-batch's mean loss, divided by the number of micro-batches.
+        loss: see `forward_loss`.
+        recipe: the HF recipe as users write it: `forward_loss(recipe=True)`, and the last micro-batch's loss stays
+            referenced until the optimizer step is done (a script's `loss` variable does).
+        scaler: a torch.amp.GradScaler (fp16): the loss is scaled, the gradients unscaled before clipping.
+        max_grad_norm: clip the trainable parameters' gradient norm to this (None or 0: no clipping).
+        phase: measures the phases (see `PhaseHook`).
+        before_micro_batch: called with the micro-batch's index before its forward (tests inject faults here).
+    Raises:
+        whatever the model raises (an out-of-memory error included: `fitune.runtime.oom.is_oom` tells it; the
+        caller frees the step: `optimizer.zero_grad(set_to_none=True)`).
+    """
+    phase = phase or _no_phase
+    n = len(micro_batches)
+    total = 0.0
+    users_loss = None
+    for i, mb in enumerate(micro_batches):
+        if before_micro_batch is not None:
+            before_micro_batch(i)
+        with phase("forward"):
+            loss_t = forward_loss(model, mb, loss=loss, num_items=num_items, recipe=recipe)
+            if num_items is None and n > 1:
+                loss_t = loss_t / n  # the step's loss is the mean over its micro-batches
+        with phase("backward"):
+            (scaler.scale(loss_t) if scaler is not None else loss_t).backward()
+        total += loss_t.item()
+        if recipe:  # a user's `loss` variable lives on through opt.step(), and so does what its graph still holds
+            users_loss = loss_t  # (with checkpointing 2 x hidden x tokens; measured: bench/results/hf_recipe)
+        del loss_t  # fitune frees the graph's last references before the next micro-batch and the optimizer step
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clipping sees the true gradients
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale_before = scale_after = None
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)  # skipped when the gradients hold inf / nan
+            scaler.update()
+            scale_after = scaler.get_scale()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the gradients' memory goes back before the next forward
+        del users_loss
+    return StepStats(loss=total, micro_batches=n, loss_scale_before=scale_before, loss_scale=scale_after)
+
+
+@contextlib.contextmanager
+def _no_phase(name: str):
+    yield
+
+
+def count_saved_tensors():
+    """`(ctx, seen)`: inside `ctx`, the unique storages autograd saves are recorded in `seen` ({data_ptr: bytes},
+    parameters included: subtract theirs). For measuring a forward (bench/hf_recipe.py, the trace engine's
+    tests)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        except Exception:  # noqa: BLE001 - sparse or exotic tensors: skip, counting is best effort
+            pass
+        return t
+
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return ctx, seen

@@ -1,0 +1,26 @@
+"""The README's CPU quick-start: `python -m fitune.train.quickstart FOLDER`, then `fitune train FOLDER/run.yaml`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+
+@pytest.mark.slow
+def test_quickstart_writes_a_config_that_trains_on_the_cpu(tmp_path, monkeypatch):
+    from fitune.cli.main import main
+    from fitune.train.quickstart import main as quickstart
+
+    folder = tmp_path / "demo"
+    assert quickstart([str(folder)]) == 0
+    assert quickstart([str(folder)]) == 2  # never writes over a folder that holds something
+    monkeypatch.chdir(tmp_path)  # paths in run.yaml are absolute: it runs from anywhere
+    assert main(["train", str(folder / "run.yaml"), "--max-steps", "30", "--no-progress"]) == 0
+    lines = [json.loads(x) for x in open(folder / "run" / "metrics.jsonl")]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 0.5
+    assert (folder / "run" / "adapter" / "adapter_config.json").exists()
