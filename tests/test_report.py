@@ -406,3 +406,18 @@ def test_report_imports_no_torch():
             "render_html('doctor', [])\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["estimate", "llama-3.1-8b", "--gpu", "rtx4090"], "estimate"),
+    (["plan", "llama-3.1-8b", "--gpu", "rtx4090"], "plan"),
+])
+def test_commands_write_their_html_page(tmp_path, capsys, argv, kind):
+    from fitune.cli.main import main
+
+    out = tmp_path / f"{kind}.html"
+    assert main(argv + ["--html", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().err
+    text = out.read_text()
+    assert text.startswith("<!DOCTYPE html>") or "<html" in text[:200]
+    assert "data-bytes" in text or "data-value" in text

@@ -70,6 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "JSON object with a findings list")
     p.add_argument("--list-rules", action="store_true", help="print the script rules and exit")
     add_setup_arguments(p, model=False, config=False, skip=_SHARED_FLAGS)
+    from ..report import add_html_argument
+
+    add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -121,6 +124,9 @@ def _run_script(args, worst_exit_code) -> int:
     gpu = resolve_gpu(args.gpu or DEFAULT_GPU)
     report = diagnose_script(args.script, gpu, setup_overrides(args), args.model)
     findings, d = report.findings, report.diagnosis
+    from ..report import maybe_write_html
+
+    maybe_write_html(args, "doctor", [f.to_dict() for f in findings])
     if args.json:
         doc = {"script": args.script, "gpu": gpu.name,
                "setup": report.script.to_dict() if report.script else None,

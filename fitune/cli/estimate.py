@@ -39,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (keys documented in the README)")
     p.add_argument("--list-models", action="store_true", help="print the model catalog and exit")
     p.add_argument("--list-gpus", action="store_true", help="print the GPU catalog and exit")
+    from ..report import add_html_argument
+
+    add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -88,11 +91,14 @@ def run(args) -> int:
         from ..memory.suggest import suggest_changes
 
         suggestions = suggest_changes(model, setup, gpu, base=est)
+    doc = estimate_to_json(est)
+    if gpu is not None:
+        doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
+                               "retries_expected": x.retries} for x in suggestions]
+    from ..report import maybe_write_html
+
+    maybe_write_html(args, "estimate", doc)
     if args.json:
-        doc = estimate_to_json(est)
-        if gpu is not None:
-            doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
-                                   "retries_expected": x.retries} for x in suggestions]
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:

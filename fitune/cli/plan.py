@@ -63,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # The setup fields a plan keeps as given: the same flags (and names) as every other command.
     add_arguments(p, [k for k in SETUP_KEYS if k.field in KEPT_FIELDS], defaults=d.to_dict(),
                   group_title="kept as given (the same flags as fitune estimate / train)")
+    from ..report import add_html_argument
+
+    add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -120,6 +123,9 @@ def run(args) -> int:
         text = plan_yaml(result.plans[0], req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
         with open(args.write, "w", encoding="utf-8") as f:
             f.write(text)
+    from ..report import maybe_write_html
+
+    maybe_write_html(args, "plan", result_to_json(result, elapsed, notes))
     if args.json:
         doc = result_to_json(result, elapsed, notes)
         if args.write and result.plans:

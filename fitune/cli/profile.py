@@ -38,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="cuda (default) or cpu (tiny models; tensor-level accounting instead of CUDA counters)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in the README)")
     p.add_argument("--plot", metavar="FILE.png", help="write memory over time, phases shaded, the peak marked")
+    from ..report import add_html_argument
+
+    add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -73,6 +76,9 @@ def run(args) -> int:
         from ..profile.plot import plot_timeline
 
         plot_timeline(result, args.plot)
+    from ..report import maybe_write_html
+
+    maybe_write_html(args, "profile", result.to_json())
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2)
         print()

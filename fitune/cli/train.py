@@ -40,6 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # One flag per config key (fitune/config.py, fitune/setup.py): --lr, --max-steps, --lora-rank, --grad-accum, ...
     add_arguments(p, ALL_KEYS, defaults=flat_values(TrainConfig()),
                   group_title="config keys (each overrides the file's value; same names as the YAML keys)")
+    from ..report import add_html_argument
+
+    add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
@@ -76,4 +79,7 @@ def run(args) -> int:
           + (f" (adapter: {result.adapter_dir})" if result.adapter_dir else ""))
     for change in result.plan.changes:
         print(f"  re-planned at step {change['step']}: {change['why']}")
+    from ..report import maybe_write_html
+
+    maybe_write_html(args, "train", result.output_dir)
     return 0

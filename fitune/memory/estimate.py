@@ -22,9 +22,9 @@ from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
 from .layers import FP32, LayerContext, decoder_layer
 
-#: Tokens per tile of fitune's tiled MLP (fitune.train.techniques.tiled_mlp.TILE_TOKENS).
+#: Tokens per tile of fitune's tiled MLP (fitune.runtime.techniques.tiled_mlp.TILE_TOKENS).
 TILE_TOKENS = 2048
-#: Rows per tile of fitune's lean RMSNorm (fitune.train.techniques.lean_norm.TILE_TOKENS).
+#: Rows per tile of fitune's lean RMSNorm (fitune.runtime.techniques.lean_norm.TILE_TOKENS).
 LEAN_NORM_ROWS = 8192
 from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
                    OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Event, Tape, replay)
@@ -384,7 +384,7 @@ def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool,
         y2 = decoder_layer(sub2, c, restored, sliding)
         sub2._grads[y2.tid] = g
         sub2._grad_refs[g.tid] = 1
-        # offload (fitune/train/techniques/offload.py) recomputes as reentrant checkpointing does: the whole layer,
+        # offload (fitune/runtime/techniques/offload.py) recomputes as reentrant checkpointing does: the whole layer,
         # then autograd.backward(y, grad_y). The recomputed output stays referenced through the layer's backward,
         # and the incoming gradient, still held by the caller, reaches the input leaf through the residual adds:
         # AccumulateGrad copies it (a shared gradient is not stolen). Two more hidden-size tensors than non-reentrant.

@@ -30,9 +30,9 @@ class LayerContext:
     attn: str  # sdpa | flash | eager
     use_cache: bool  # transformers builds a DynamicCache (no checkpointing): k, v are copied into it
     tiled_mlp_tokens: int = 0  # fitune's tiled MLP: tokens per tile (0: off)
-    lean_lora: bool = False  # fitune's lean LoRA branch (fitune/train/techniques/lean_lora.py)
-    lean_norm_rows: int = 0  # fitune's lean RMSNorm: rows per tile (0: off; fitune/train/techniques/lean_norm.py)
-    liger: bool = False  # Liger's RMSNorm and SwiGLU kernels (fitune/train/techniques/fused_kernels.py)
+    lean_lora: bool = False  # fitune's lean LoRA branch (fitune/runtime/techniques/lean_lora.py)
+    lean_norm_rows: int = 0  # fitune's lean RMSNorm: rows per tile (0: off; fitune/runtime/techniques/lean_norm.py)
+    liger: bool = False  # Liger's RMSNorm and SwiGLU kernels (fitune/runtime/techniques/fused_kernels.py)
 
     @property
     def tokens(self) -> int:
@@ -114,7 +114,7 @@ def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Te
 
 
 def lean_lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
-    """fitune's lean LoRA (fitune/train/techniques/lean_lora.py): `base_layer(x) + branch(x)` in the activations'
+    """fitune's lean LoRA (fitune/runtime/techniques/lean_lora.py): `base_layer(x) + branch(x)` in the activations'
     dtype. The branch saves x (held anyway) and x A^T (r values per token); its output is scaled in place; its
     backward makes the r-wide gradient, then the input's gradient; A and B get fp32 gradients.
     """
@@ -197,7 +197,7 @@ def liger_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, rows: int, label: s
 
 
 def lean_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, rows: int, label: str) -> Tensor:
-    """fitune's lean RMSNorm (fitune/train/techniques/lean_norm.py): saves the input (held anyway) and one fp32
+    """fitune's lean RMSNorm (fitune/runtime/techniques/lean_norm.py): saves the input (held anyway) and one fp32
     rsqrt per row; forward and backward work `lean_norm_rows` rows at a time in fp32. Forward: the output, then
     per tile the fp32 copy, its square, the normalised fp32 tile and two bf16 tiles. Backward: the input's
     gradient, then per tile about five fp32 tiles (n, g, g * w, the mean term, the result before its cast).
@@ -385,7 +385,7 @@ def mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
 
 
 def tiled_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
-    """fitune's tiled MLP (fitune/train/techniques/tiled_mlp.py): forward tile by tile keeping nothing but the MLP's
+    """fitune's tiled MLP (fitune/runtime/techniques/tiled_mlp.py): forward tile by tile keeping nothing but the MLP's
     input; backward recomputes and differentiates one tile at a time, writing into the input's gradient.
 
     Forward: the output (hidden x act_bytes per token) plus one tile's working set at a time. Backward: the input's

@@ -20,7 +20,7 @@ from .tape import LOGITS
 
 FP32 = 4
 
-#: Tokens per chunk of fitune's chunked loss (fitune.train.techniques.chunked_loss uses the same constant).
+#: Tokens per chunk of fitune's chunked loss (fitune.runtime.techniques.chunked_loss uses the same constant).
 CHUNK_TOKENS = 1024
 
 
@@ -66,7 +66,7 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
 
 
 def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
-    """fitune's chunked linear + cross-entropy (fitune/train/techniques/chunked_loss.py).
+    """fitune's chunked linear + cross-entropy (fitune/runtime/techniques/chunked_loss.py).
 
     Forward: the gradient with respect to the hidden states is computed along with the loss and kept
     (act_bytes x hidden per token); per chunk of `chunk_tokens` tokens the model-dtype logits, their fp32 copy

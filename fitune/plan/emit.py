@@ -3,7 +3,7 @@
 The YAML is `TrainConfig.to_dict()` of the plan (so its keys are the runner's own), written without PyYAML;
 tests/test_plan.py reads it back with PyYAML and passes it to `fitune.config.config_from_dict`.
 The Hugging Face code mirrors what the plan was estimated as (fitune's runner = the HF recipe of
-fitune/profile/hf_recipe.py): bf16 weights (or NF4 with double quantisation for QLoRA), LoRA dropout 0, non-reentrant
+bench/hf_recipe.py): bf16 weights (or NF4 with double quantisation for QLoRA), LoRA dropout 0, non-reentrant
 checkpointing, `use_cache=False`, no `prepare_model_for_kbit_training` (it upcasts the non-quantised weights to
 fp32, which the estimate does not include).
 """

@@ -176,6 +176,10 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
         log.info("resumed from %s at step %d", path, step)
 
     metrics = folder.open_metrics(through_step=step)  # drops lines of steps after the checkpoint: trained again
+    from .loggers import make_loggers
+
+    loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
+                           cfg.to_dict())  # TensorBoard / W&B get the same scalars as metrics.jsonl
     bar = _progress_bar(total_steps, step, progress)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
@@ -206,11 +210,15 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
                 line["loss_scale"] = scaler.get_scale()
             metrics.write(json.dumps(line) + "\n")
             metrics.flush()
+            for logger in loggers:
+                logger.log(step, line)
             bar.update(line)
             if eval_items is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
                 eval_losses[step] = _evaluate(model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
                 metrics.write(json.dumps({"step": step, "eval_loss": eval_losses[step]}) + "\n")
                 metrics.flush()
+                for logger in loggers:
+                    logger.log(step, {"eval_loss": eval_losses[step]})
             if _checkpoint_due(cfg, step, total_steps, time.monotonic() - last_save_s):
                 _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
                 last_save_s = time.monotonic()
@@ -234,6 +242,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     finally:
         stop.restore()
         metrics.close()
+        for logger in loggers:
+            logger.close()
     bar.close()
     metrics.close()
     adapter_dir, merged_dir = _write_outputs(cfg, folder, model, tokenizer)
