@@ -72,10 +72,26 @@ def test_the_analytic_engine_still_rejects_it_and_points_to_trace(capsys, neox_c
     assert "gpt_neox" in err and "--engine trace" in err and "Traceback" not in err
 
 
-def test_default_lora_targets_the_model_lacks_are_named(capsys, neox_config):
-    rc, out, err = _run(capsys, neox_config, "--engine", "trace", "--seq-len", "128")
+def test_lora_targets_given_that_the_model_lacks_are_named(capsys, neox_config):
+    rc, out, err = _run(capsys, neox_config, "--engine", "trace", "--seq-len", "128", "--lora-targets", "q_proj,k_proj")
     assert rc == 2
-    assert "--lora-targets q_proj,v_proj" in err and "query_key_value" in err
+    assert "--lora-targets q_proj,k_proj" in err and "query_key_value" in err and "Traceback" not in err
+
+
+def test_without_lora_targets_peft_default_for_the_model_type_is_modelled(capsys, tmp_path):
+    cfg = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128,
+           "max_position_embeddings": 128}
+    path = tmp_path / "small-neox" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    rc = main(["estimate", str(path), "--engine", "trace", "--seq-len", "32", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["setup"]["lora_targets"] == ["query_key_value"]
+    assert "--lora-targets not given: PEFT's default for gpt_neox, query_key_value" in doc["notes"]
+    assert doc["trainable_params"] == 2 * 8 * (64 + 3 * 64)  # query_key_value, rank 8, 2 layers
 
 
 UNSUPPORTED = [

@@ -443,8 +443,19 @@ def test_any_architecture_transformers_builds():
 def test_lora_targets_the_model_lacks_name_what_it_has():
     neox = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=1000)
-    with pytest.raises(ConfigError, match="--lora-targets q_proj,v_proj.*query_key_value, dense"):
-        trace_training_step(neox, TrainSetup(seq_len_tokens=16))
+    with pytest.raises(ConfigError, match="--lora-targets q_proj,k_proj.*query_key_value, dense"):
+        trace_training_step(neox, TrainSetup(lora_targets=("q_proj", "k_proj"), seq_len_tokens=16))
+
+
+def test_fituness_default_targets_the_model_lacks_become_pefts_default():
+    neox = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=1000)
+    setup = TrainSetup(seq_len_tokens=16)
+    res = trace_training_step(neox, setup)
+    assert res.setup == setup.replace(lora_targets=("query_key_value",))
+    assert "--lora-targets not given: PEFT's default for gpt_neox, query_key_value" in res.notes
+    given = trace_training_step(neox, TrainSetup(lora_targets=("query_key_value",), seq_len_tokens=16))
+    assert res.peak_bytes == given.peak_bytes and res.trainable_params == given.trainable_params
 
 
 def test_import_does_not_import_torch():

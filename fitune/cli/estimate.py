@@ -217,7 +217,7 @@ def _run_trace(args, setup: TrainSetup, gpu) -> int:
     from ..trace import trace_training_step
 
     res = trace_training_step(source, setup)
-    s = res.setup  # the setup that was traced: the one given, nothing swapped
+    s = res.setup  # the setup that was traced: the one given (or PEFT's default LoRA targets, see its notes)
     doc = {
         "model": res.model, "model_type": res.model_type, "engine": "trace", "setup": s.to_dict(),
         "peak_allocated_bytes": res.peak_bytes,

@@ -96,7 +96,8 @@ class TraceResult:
     elapsed_s: float = 0.0
     model: str = ""  # the model's name (catalog name, folder name, or the config's model_type)
     model_type: str = ""  # config.json's model_type
-    setup: TrainSetup | None = None  # the setup that was traced: exactly the one given
+    setup: TrainSetup | None = None  # the setup that was traced: the one given (PEFT's default LoRA targets
+    # replace fitune's default q_proj,v_proj when the model has neither; a note says so)
     micro_batches_traced: int = 1  # per step: min(grad_accum, 2), see the module docstring
 
     @property
@@ -117,7 +118,9 @@ def trace_training_step(model: Any, setup: TrainSetup, *, steps: int = 2) -> Tra
         steps: steps to run; the numbers describe the last one (2: AdamW's state exists from the second on).
 
     Returns:
-        The measurements; `result.setup is setup`. See the module docstring for what each number means.
+        The measurements; `result.setup is setup`, except when `setup.lora_targets` is fitune's default
+        (q_proj, v_proj) and the model has neither: then, as PEFT does with `target_modules=None`, PEFT's default
+        targets for the model_type are modelled, `result.setup` names them and a note says so. See the module docstring for what each number means.
 
     Raises:
         TraceUnsupportedError: settings the trace cannot model, each named with its flag.
@@ -161,7 +164,9 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
     label = name if name == model_type else f"{name} (model_type {model_type!r})"  # for messages
     import torch
 
+    from fitune.runtime.layers import find_decoder_layers
     from fitune.runtime.model import build_random_model, enable_checkpointing, wrap_lora
+    from fitune.runtime.optim import build_optimizer
 
     t0 = time.perf_counter()
     ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
@@ -180,11 +185,12 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
     with ctx:
         torch.manual_seed(seed)
         model = _build(build_random_model, hf_config, setup, label, model_type)
-        layers = _decoder_layers(model)
+        layers = find_decoder_layers(model)
         text_config = model.config.get_text_config()
         setup.validate(num_layers=len(layers) if layers else getattr(text_config, "num_hidden_layers", None),
                        hidden_size=getattr(text_config, "hidden_size", None))
         vocab = int(model.get_input_embeddings().weight.shape[0])
+        setup = _peft_default_targets(model, setup, label, model_type, notes)  # the setup modelled from here on
         model = _make_trainable(model, setup, layers, wrap_lora, label, model_type)
         if ckpt_mode != "none":
             enable_checkpointing(model)
@@ -194,7 +200,8 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ConfigError(f"{label}: the setup trains no parameter (--method {setup.method}); nothing to trace")
-        opt = _optimizer(setup, trainable)
+        # fitune's one optimizer factory, with foreach, PyTorch's default on CUDA (on CPU it would pick the loop)
+        opt = build_optimizer(setup.optimizer, trainable, lr=1e-4, foreach=True)
         ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len_tokens))
 
         param_storage_ids = _storage_keys(model.parameters(), fake)
@@ -388,13 +395,39 @@ def _make_trainable(model, setup: TrainSetup, layers: list, wrap_lora, label: st
     return model
 
 
-def _missing_targets_message(model, setup: TrainSetup, label: str, model_type: str) -> str:
+def _peft_default_targets(model, setup: TrainSetup, label: str, model_type: str, notes: list) -> TrainSetup:
+    """`setup`, or, when its LoRA targets are fitune's default (q_proj, v_proj: the user named none) and the model
+    has none of them, `setup` with PEFT's default targets for the model_type (what `target_modules=None` does).
+    Targets the user named are never replaced: missing ones stay an error (`_missing_targets_message`)."""
+    import dataclasses
+
+    if setup.method != "lora" or setup.all_linear:
+        return setup
+    default = {f.name: f.default for f in dataclasses.fields(TrainSetup)}["lora_targets"]
+    if tuple(setup.lora_targets) != tuple(default):
+        return setup
     names = _adaptable_module_names(model)
+    if any(t in names for t in setup.lora_targets):
+        return setup
+    peft_default = _peft_default_targets_for(model_type)
+    if not peft_default or not all(t in names for t in peft_default):
+        return setup  # nothing PEFT would pick either: the missing-targets error names what the model has
+    notes.append(f"--lora-targets not given: PEFT's default for {model_type}, {','.join(peft_default)}")
+    return setup.replace(lora_targets=tuple(peft_default))
+
+
+def _peft_default_targets_for(model_type: str) -> list[str] | None:
     try:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
     except ImportError:  # pragma: no cover - older PEFT
-        peft_defaults = {}
+        return None
     default = peft_defaults.get(model_type)
+    return list(default) if default else None
+
+
+def _missing_targets_message(model, setup: TrainSetup, label: str, model_type: str) -> str:
+    names = _adaptable_module_names(model)
+    default = _peft_default_targets_for(model_type)
     hint = f"; PEFT's default for {model_type} is --lora-targets {','.join(default)}" if default else ""
     return (f"--lora-targets {','.join(setup.lora_targets)}: no such module in {label}; "
             f"its layers have {', '.join(names) or 'no nn.Linear'}{hint} (or use --lora-targets all-linear)")
@@ -426,46 +459,16 @@ def _set_lora_dropout(model, p: float) -> None:
                     m.lora_dropout[adapter] = torch.nn.Dropout(p=p)
 
 
-def _decoder_layers(model) -> list:
-    """The decoder layers: the `ModuleList` of transformers' `GradientCheckpointingLayer`s (`model.model.layers`
-    for Llama, `model.gpt_neox.layers` for GPT-NeoX), the one with `num_hidden_layers` entries when several."""
-    import torch
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    stacks = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
-              and all(isinstance(c, GradientCheckpointingLayer) for c in m)]
-    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-    for stack in stacks:
-        if len(stack) == n:
-            return stack
-    return stacks[0] if len(stacks) == 1 else []
-
-
 def _checkpoint_first_layers(layers: list, k: int, label: str, model_type: str) -> None:
     """selective:K: keep checkpointing on the first K decoder layers only, as fitune's runner does."""
-    if not layers:
+    if not layers or not all(any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+                             for m in layers):
         raise TraceUnsupportedError(
             f"--engine trace cannot model --grad-checkpointing selective:{k} for {label}: it finds no list of "
             "decoder layers (transformers GradientCheckpointingLayer) in it; use none or full"
         )
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < k  # transformers checks this flag on every call
-
-
-def _optimizer(setup: TrainSetup, params):
-    """The optimizers of fitune's profiler (`fitune.profile.run`), with foreach, PyTorch's default on CUDA."""
-    import torch
-
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, foreach=True)
-    if setup.optimizer == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=1e-4, relative_step=False, scale_parameter=False)
-    # check_setup refused the rest (bitsandbytes); reaching here is a bug in that table
-    raise AssertionError(f"optimizer {setup.optimizer!r} passed check_setup")
 
 
 _OPTIMIZER_NOTES = {
