@@ -147,11 +147,6 @@ def test_only_profile_and_its_command_import_fitune_profile():
 
 #: Functions allowed to be a second builder / step / optimizer factory, with the reason.
 ALLOWED = {
-    # The trace engine builds its optimizer with fitune.runtime.optim.build_optimizer(..., foreach=True); its
-    # instrumented step under FakeTensorMode is still a second copy: train_step(..., recipe=True) keeps the
-    # previous micro-batch's loss alive through the next one (grad_accum > 1 traces change by 4 B to 16 KiB), and
-    # its `loss.item()` needs a ShapeEnv on fake tensors. Remove this line when the engine runs train_step.
-    ("fitune/trace/engine.py", "_trace"): "the fake-tensor engine's own instrumented step (rework in progress)",
 }
 
 

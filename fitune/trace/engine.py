@@ -177,7 +177,9 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        mode = FakeTensorMode()
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        mode = FakeTensorMode(shape_env=ShapeEnv())  # train_step's loss.item() needs a ShapeEnv on fake tensors
         ctx.enter_context(mode)
         ctx.enter_context(_fake_swap_fix(mode))
         ctx.enter_context(_no_packed_sequence_detection())
@@ -218,48 +220,65 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
         saved_hooks_bytes = 0
         start_bytes = before_fwd_bytes = after_fwd_bytes = 0
         grads_bytes = 0
+        # the step is fitune's one training step; `hook` does the tracker's phase bookkeeping around its phases
+        st = {"last_step": False, "micro": 0, "fwds": [], "bwds": [], "optp": None}
+        kept_outputs: list = []  # keep_outputs: the output held through the backward (logits, KV cache)
+
+        def _keep_output(module, args, output):
+            if setup.keep_outputs and st["in_forward"]:
+                kept_outputs.append(output)
+
+        st["in_forward"] = False
+        out_handle = model.register_forward_hook(_keep_output)
+
+        @contextlib.contextmanager
+        def hook(phase_name: str):
+            nonlocal saved_hooks_bytes, before_fwd_bytes, after_fwd_bytes, grads_bytes
+            if phase_name == "forward":
+                measure = st["last_step"] and st["micro"] == micro_batches - 1
+                before_fwd_bytes = tracker.total
+                tracker.start_phase("activations")
+                st["in_forward"] = True
+                try:
+                    if measure:
+                        seen: dict[Any, int] = {}
+                        keep: list = []
+                        with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, fake), _unpack):
+                            yield
+                        saved_hooks_bytes = sum(n for k, n in seen.items() if k not in param_storage_ids)
+                        seen.clear()
+                        keep.clear()  # holding them longer would keep them alive past the backward
+                    else:
+                        yield
+                finally:
+                    st["in_forward"] = False
+                st["fwds"].append(tracker.end_phase())
+                after_fwd_bytes = tracker.total
+            elif phase_name == "backward":
+                tracker.start_phase("temporaries")
+                yield
+                kept_outputs.clear()  # the output kept through the backward goes after it
+                st["bwds"].append(tracker.end_phase())
+                st["micro"] += 1
+            else:  # optimizer
+                if st["last_step"]:
+                    grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
+                tracker.start_phase("temporaries")
+                yield
+                st["optp"] = tracker.end_phase()
+
+        from fitune.runtime.step import train_step
+
         try:
             with tracker:
                 for step in range(steps):
-                    last_step = step == steps - 1
+                    st.update(last_step=step == steps - 1, micro=0, fwds=[], bwds=[], optp=None)
                     start_bytes = tracker.total
-                    fwds, bwds = [], []
-                    for micro in range(micro_batches):
-                        measure = last_step and micro == micro_batches - 1
-                        before_fwd_bytes = tracker.total
-
-                        tracker.start_phase("activations")
-                        if measure:
-                            seen: dict[Any, int] = {}
-                            keep: list = []
-                            with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, fake), _unpack):
-                                loss, out = _forward_loss(model, ids, setup)
-                            saved_hooks_bytes = sum(n for k, n in seen.items() if k not in param_storage_ids)
-                            seen.clear()
-                            keep.clear()  # holding them longer would keep them alive past the backward
-                        else:
-                            loss, out = _forward_loss(model, ids, setup)
-                        fwds.append(tracker.end_phase())
-                        after_fwd_bytes = tracker.total
-
-                        tracker.start_phase("temporaries")
-                        loss.backward()
-                        out = None  # keep_outputs: the output held through the backward (logits, KV cache) goes
-                        if micro < micro_batches - 1:
-                            del loss  # the next micro-batch's loss replaces it
-                        bwds.append(tracker.end_phase())
-                    if last_step:
-                        grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
-
-                    tracker.start_phase("temporaries")
-                    opt.step()
-                    tracker.retag(_optimizer_tensors(opt), "optimizer")
-                    opt.zero_grad(set_to_none=True)
-                    del loss
-                    optp = tracker.end_phase()
-                    if last_step:
-                        phases = {"forward": max(fwds, key=lambda x: x[0]),
-                                  "backward": max(bwds, key=lambda x: x[0]), "optimizer": optp}
+                    train_step(model, opt, [ids] * micro_batches, recipe=True, phase=hook)
+                    tracker.retag(_optimizer_tensors(opt), "optimizer")  # the state is still alive
+                    if st["last_step"]:
+                        phases = {"forward": max(st["fwds"], key=lambda x: x[0]),
+                                  "backward": max(st["bwds"], key=lambda x: x[0]), "optimizer": st["optp"]}
         except FituneError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the model's own code on fake tensors
@@ -271,6 +290,7 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
             ) from exc
         for h in handles:
             h.remove()
+        out_handle.remove()
 
         frozen = [p for p in model.parameters() if not p.requires_grad]
         weights_bytes = _unique_bytes(list(frozen) + list(model.buffers()), fake)
@@ -332,14 +352,6 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
 
 
 # ------------------------------------------------------------------------------------- the setup, applied
-
-
-def _forward_loss(model, ids, setup: TrainSetup):
-    """(loss, the model output or None): `model(input_ids=ids, labels=ids).loss`, as the recipe writes it, drops
-    the output (logits, KV cache) at once; `keep_outputs` holds it, as `out = model(...); out.loss.backward()`."""
-    out = model(input_ids=ids, labels=ids)
-    loss = out.loss / setup.grad_accum if setup.grad_accum > 1 else out.loss  # accumulation scales each micro-batch
-    return loss, (out if setup.keep_outputs else None)
 
 
 def _build(build_random_model, hf_config: dict, setup: TrainSetup, label: str, model_type: str):
