@@ -492,14 +492,7 @@ def load_config_file(path: str) -> dict:
 
 def parse_yaml_value(text: str, source: str) -> Any:
     """One YAML value typed on the command line (`--set lora.rank=16`), read as a config file's value is."""
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ConfigError("reading YAML values needs PyYAML: pip install pyyaml") from exc
-    try:
-        return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
-    except (yaml.YAMLError, ConfigError, RecursionError) as exc:
-        raise ConfigError(f"{source}: not a YAML value ({exc})") from None
+    return _load_yaml(text, source)
 
 
 def decode_text(raw: bytes, path: str) -> str:

@@ -3,7 +3,7 @@
 It writes a tiny random Llama (2 layers, 64 wide) with a word-level tokenizer and chat template, a chat data set
 whose answers follow a pattern the model can learn, and `FOLDER/run.yaml`. Then:
 
-    fitune train FOLDER/run.yaml        # 60 LoRA steps on the CPU in about 10 s; the loss falls
+    fitune train FOLDER/run.yaml        # 60 LoRA steps on the CPU; the loss falls
 """
 
 from __future__ import annotations
