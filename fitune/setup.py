@@ -22,6 +22,7 @@ LOSSES = ("hf", "chunked")
 STACKS = ("hf", "fitune")
 KERNELS = ("torch", "liger")
 CHECKPOINTING = ("none", "full", "offload", "selective:K")
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
 ALL_LINEAR = "all-linear"
 
 
@@ -34,6 +35,10 @@ _OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "ada
                       "bnb_adamw8bit": "adamw8bit", "paged_adamw_8bit": "paged_adamw8bit",
                       "pagedadamw8bit": "paged_adamw8bit"}
 _METHOD_ALIASES = {"full_finetune": "full", "full-finetune": "full", "fft": "full", "qlora_nf4": "qlora"}
+_STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "deepspeed_zero2": "zero2", "zero-2": "zero2",
+                     "zero_2": "zero2", "deepspeed_zero3": "zero3", "zero-3": "zero3", "zero_3": "zero3",
+                     "zero3-offload": "zero3_offload", "zero_offload": "zero3_offload", "no": "ddp", "none": "ddp",
+                     "data_parallel": "ddp"}
 _CKPT_ALIASES = {"true": "full", "false": "none", "off": "none", "on": "full", "unsloth": "offload",
                  "offloaded": "offload"}
 
@@ -92,6 +97,13 @@ class TrainSetup:
                                   "`out = model(**batch); out.loss.backward()` does")
     stack: str = key("hf", kind="choice", choices=STACKS,
                      help="hf (a plain transformers + PEFT script) | fitune (fitune's runner and its techniques)")
+    num_gpus: int = key(1, yaml="gpus", flag="--gpus", kind="int", minimum=1, maximum=4096,
+                        help="GPUs the run uses (one process each; batch_size is per GPU)")
+    strategy: str = key("ddp", kind="choice", choices=STRATEGIES, aliases=_STRATEGY_ALIASES,
+                        help="how the GPUs share the model: ddp (a full copy on each) | fsdp (PyTorch FSDP2, "
+                             "parameters, gradients and optimizer state sharded per decoder layer) | zero2 (DeepSpeed: "
+                             "gradients and optimizer state sharded) | zero3 (DeepSpeed: parameters too) | "
+                             "zero3_offload (ZeRO-3 with parameters and optimizer state in CPU memory)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -159,7 +171,8 @@ class TrainSetup:
         one_of("optimizer", self.optimizer, OPTIMIZERS)
         one_of("loss", self.loss, LOSSES)
         one_of("stack", self.stack, STACKS)
-        for f in ("batch_size", "seq_len_tokens", "grad_accum", "freeze_trainable_layers"):
+        one_of("strategy", self.strategy, STRATEGIES)
+        for f in ("batch_size", "seq_len_tokens", "grad_accum", "freeze_trainable_layers", "num_gpus"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name(f)} must be a positive integer, got {value!r}")
