@@ -88,6 +88,28 @@ GEMMA2_BF16 = [
     (QV, 8, 1, 8192, True, "sdpa", False),
 ]
 
+# full fine-tuning and freeze (issue 12): (method, optimizer, batch, seq, checkpointing, freeze K, snapshot)
+LLAMA1B_FULL = [
+    ("full", "adamw", 2, 2048, True, 0, True),
+    ("full", "adamw", 4, 4096, True, 0, True),
+    ("full", "adamw", 2, 512, False, 0, True),
+    ("full", "adafactor", 2, 2048, True, 0, True),
+    ("full", "adamw8bit", 2, 2048, True, 0, True),
+    ("full", "sgd", 2, 2048, True, 0, False),
+    ("freeze", "adamw", 2, 2048, True, 4, True),
+]
+QWEN15_FULL = [
+    ("full", "adamw", 2, 2048, True, 0, True),
+    ("full", "adamw", 2, 512, False, 0, True),
+    ("full", "adamw8bit", 2, 2048, True, 0, False),
+    ("full", "adafactor", 1, 4096, True, 0, False),
+    ("freeze", "adamw", 2, 2048, True, 4, False),
+]
+FULL_GROUPS = {
+    "llama-3.2-1b:full": ("llama-3.2-1b", LLAMA1B_FULL),
+    "qwen2.5-1.5b:full": ("qwen2.5-1.5b", QWEN15_FULL),
+}
+
 GROUPS = {
     "llama-3.1-8b:bf16": ("llama-3.1-8b", "lora", LLAMA_BF16),
     "llama-3.1-8b:nf4": ("llama-3.1-8b", "qlora", LLAMA_NF4),
@@ -314,6 +336,94 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
     torch.cuda.empty_cache()
 
 
+def run_full_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
+                   only: set[int] | None = None) -> None:
+    """Full fine-tuning / freeze cases: the model is built afresh for each case (its parameters' requires_grad,
+    gradients and optimizer state must not carry over), the optimizer state is created in the first step, so a
+    snapshot covers every step from the first."""
+    import torch
+
+    from fitune.runtime.model import build_model
+    from fitune.runtime.optim import build_optimizer
+    from fitune.setup import TrainSetup
+    from fitune.runtime.model import prepare_model
+
+    model_name, cases = FULL_GROUPS[group]
+    cfg = load_catalog_config(model_name)
+    vocab = cfg["vocab_size"]
+    for i, (method, optimizer, batch, seq, ckpt, freeze_k, snap) in enumerate(cases):
+        if only is not None and i not in only:
+            continue
+        record = {
+            "group": group, "model": model_name, "method": method, "case": i, "optimizer": optimizer,
+            "batch_size": batch, "seq_len_tokens": seq, "grad_checkpointing": "full" if ckpt else "none",
+            "attn": "sdpa", "dtype": "bf16", "loss": "hf", "stack": "hf", "cap": CAP,
+        }
+        if method == "freeze":
+            record["freeze_trainable_layers"] = freeze_k
+        model = opt = ids = None
+        try:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            model = build_model(cfg, dtype_name="bf16", attn="sdpa", device="cuda", init="random")
+            record["model_only_allocated_bytes"] = torch.cuda.memory_allocated()
+            setup = TrainSetup(method=method, optimizer=optimizer, batch_size=batch, seq_len_tokens=seq,
+                               grad_checkpointing="full" if ckpt else "none",
+                               freeze_trainable_layers=max(freeze_k, 1))
+            model = prepare_model(model, setup)
+            model.train()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            record["trainable_params"] = sum(p.numel() for p in trainable)
+            record["trainable_bytes"] = sum(p.numel() * p.element_size() for p in trainable)
+            opt = build_optimizer(optimizer, trainable, lr=1e-5)
+            ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats()
+            record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
+            record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
+            if snap and snapshot_dir:
+                torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+                peaks = run_recipe_steps(model, opt, ids, steps=steps)
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
+                with gzip.open(path, "wt") as f:
+                    json.dump(compact_snapshot(snapshot), f)
+                del snapshot
+            else:
+                peaks = run_recipe_steps(model, opt, ids, steps=steps)
+            stats = torch.cuda.memory_stats()
+            record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
+            record["steps"] = [asdict(p) for p in peaks]
+            allocs = [x for p in peaks for x in (p.forward_peak_allocated_bytes, p.backward_peak_allocated_bytes,
+                                                 p.optimizer_peak_allocated_bytes)]
+            resvs = [x for p in peaks for x in (p.forward_peak_reserved_bytes, p.backward_peak_reserved_bytes,
+                                                p.optimizer_peak_reserved_bytes)]
+            record["peak_allocated_bytes"] = max(allocs)
+            record["peak_reserved_bytes"] = max(resvs)
+            record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+            record["ok"] = True
+        except torch.OutOfMemoryError as exc:
+            record["ok"] = False
+            record["error"] = "oom: " + str(exc)[:300]
+        except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
+            record["ok"] = False
+            record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            del model, opt, ids
+            gc.collect()
+            torch.cuda.empty_cache()
+        record["versions"] = _versions()
+        with open(out_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
+               f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
+               if record["ok"] else record["error"][:120])
+        print(f"[{group}] case {i} {method} {optimizer} b{batch} s{seq} ckpt={ckpt}: {msg}", flush=True)
+
+
 _VERSIONS: dict | None = None
 CAP: str | None = None  # the --cap of this run, recorded in every line
 
@@ -351,6 +461,8 @@ def main() -> int:
     if args.list:
         for g, (_, _, cases) in GROUPS.items():
             print(g, len(cases))
+        for g, (_, cases) in FULL_GROUPS.items():
+            print(g, len(cases))
         return 0
     if args.cap:
         import torch
@@ -363,6 +475,9 @@ def main() -> int:
         torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
     for g in args.group or list(GROUPS):
         only = {int(c) for c in args.cases.split(",")} if args.cases else None
+        if g in FULL_GROUPS:
+            run_full_group(g, args.out, args.snapshot_dir, args.steps, only)
+            continue
         run_group(g, args.out, args.snapshot_dir, args.steps, only, args.snapshot_all)
     return 0
 

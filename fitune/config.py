@@ -132,13 +132,28 @@ class TrainConfig:
             from .specs.gpu import resolve_gpu
 
             try:
-                resolve_gpu(str(self.cap))
+                resolve_gpu(str(self.cap), name("cap").rstrip(":"))
             except UnknownGpuError as exc:
-                problems.append(f"{name('cap')} {exc}")
+                problems.append(str(exc))
         if self.init == "random" and not self.tokenizer and not (self.model and os.path.isdir(self.model)):
             problems.append(f"{name('tokenizer')} needed with init: random and a catalog model (a tokenizer folder)")
         if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             problems.append(f"{name('output_dir')} {self.output_dir} is a file; give a folder")
+        elif self.output_dir:
+            problems += [f"{name('output_dir')} {p}" for p in _output_dir_problems(self.output_dir)]
+        for f, path in (("path", self.data.path), ("eval_path", self.data.eval_path)):
+            if path and os.path.exists(path):
+                from .data.read import data_path_problem
+
+                problem = data_path_problem(path)
+                if problem is None and os.path.isfile(path) and os.path.getsize(path) == 0:
+                    problem = f"{path}: no records (the file is empty); point it at a file with training examples"
+                elif problem:
+                    problem = f"{path} {problem}"
+                if problem:
+                    problems.append(f"{name(f)} {problem}")
+        if not problems:  # the model's sizes: what the setup asks of it (layers to checkpoint, LoRA rank, ...)
+            problems += _model_problems(self, name, origin)
         if problems:
             raise ConfigError(problems)
         return self
@@ -147,6 +162,80 @@ class TrainConfig:
         """The YAML form (nested: lora:, data:), every field written; `config_from_dict` reads it back."""
         defaults = flat_values(TrainConfig())
         return to_mapping(flat_values(self), ALL_KEYS, keep_none=[f for f, v in defaults.items() if v is not None])
+
+
+#: Files a model folder's weights come in (transformers 5 loads safetensors and PyTorch pickles).
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _output_dir_problems(output_dir: str) -> list[str]:
+    """Why `output_dir` cannot be created or written (its nearest existing folder decides), as problems."""
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return []
+        path = parent
+    if not os.path.isdir(path):
+        return [f"{output_dir} cannot be made: {path} is a file, not a folder; choose another output_dir"]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [f"{output_dir} cannot be written: {path} is not writable by this user; choose a folder you can "
+                "write (or fix its permissions)"]
+    return []
+
+
+def preflight_problems(cfg: "TrainConfig") -> list[str]:
+    """What stops `fitune train` from loading the model folder, said before the run starts rather than after the
+    tokenizer and the data are read: no config.json, or no weights file for init: pretrained. (A config naming such
+    a folder is still valid: the files may be downloaded later.)"""
+    if not os.path.isdir(cfg.model):
+        return []
+    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        return [f"model: {cfg.model} is a folder without a config.json; point model: at a Hugging Face model folder"]
+    if cfg.init == "pretrained" and not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(cfg.model)):
+        return [f"model: {cfg.model} holds no weights (no .safetensors or .bin file); download the model's weights "
+                "into it, or use init: random (and tokenizer:) for a smoke run"]
+    return []
+
+
+def _model_problems(cfg: "TrainConfig", name, origin: dict[str, str]) -> list[str]:
+    """What the model's config.json (read, never its weights) says against `cfg`: a config.json that is missing or
+    unusable, and the setup checked against the model's sizes."""
+    from .errors import FituneError, UnsupportedArchitectureError
+    from .specs.model import check_hf_config, model_spec_from_hf_config, resolve_model_source
+
+    if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
+        return []  # nothing to check yet (`preflight_problems` refuses to train from it)
+    try:
+        src = resolve_model_source(cfg.model)
+    except FituneError as exc:
+        return [f"{name('model')} {exc}"]
+    problems = []
+    try:
+        spec = model_spec_from_hf_config(src.hf_config, name=src.name, source=src.source)
+        setup_origin = {k.field: origin.get(k.field, "yaml") for k in SETUP_KEYS}
+        cfg.setup.validate(num_layers=spec.num_layers, hidden_size=spec.hidden_size, origin=setup_origin)
+    except UnsupportedArchitectureError:  # the runner builds it all the same; only its sizes can be checked here
+        found = check_hf_config(src.hf_config, src.model_type, required=())
+        problems += [f"{name('model')} {src.source}: {p}" for p in found]
+        if not cfg.trust_remote_code and not _transformers_knows(src.model_type):
+            problems.append(f"{name('model')} {src.source}: model_type {src.model_type!r} is not an architecture this "
+                            "transformers knows; fix model_type, upgrade transformers, or (for a model that ships its "
+                            "code) set trust_remote_code: true")
+    except ConfigError as exc:
+        problems += exc.problems
+    except FituneError as exc:
+        problems.append(f"{name('model')} {exc}")
+    return problems
+
+
+def _transformers_knows(model_type: str) -> bool:
+    """Whether transformers builds `model_type` itself (True when transformers is not installed: train says so)."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return True
+    return model_type in CONFIG_MAPPING
 
 
 CONFIG_KEYS: list[Key] = keys_of(TrainConfig)

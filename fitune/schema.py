@@ -30,6 +30,8 @@ from .errors import ConfigError
 MAX_CONFIG_DEPTH = 8
 #: The largest config file read (bytes): a config is a few hundred bytes; a huge file is a mistake.
 MAX_CONFIG_BYTES = 1 << 20
+#: How many values (keys' values and list items, at every depth) a config may hold.
+MAX_CONFIG_VALUES = 100_000
 
 
 @dataclass(frozen=True)
@@ -570,12 +572,19 @@ def _loader():
     return Loader
 
 
-def _check_depth(doc: Any, path: str, depth: int = 0) -> None:
+def _check_depth(doc: Any, path: str, depth: int = 0, seen: list[int] | None = None) -> None:
+    """Refuse a document nested deeper than MAX_CONFIG_DEPTH or holding more than MAX_CONFIG_VALUES values (YAML
+    aliases can repeat one list thousands of times over: `a: &a [x, x]`, `b: [*a, *a]`, ..., the billion laughs)."""
+    seen = [0] if seen is None else seen
+    seen[0] += 1
+    if seen[0] > MAX_CONFIG_VALUES:
+        raise ConfigError(f"{path}: more than {MAX_CONFIG_VALUES:,} values (YAML aliases repeating a list?); a fitune "
+                          "config holds a few dozen")
     if depth > MAX_CONFIG_DEPTH:
         raise ConfigError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels; a fitune config nests at most 2")
     if isinstance(doc, dict):
         for v in doc.values():
-            _check_depth(v, path, depth + 1)
+            _check_depth(v, path, depth + 1, seen)
     elif isinstance(doc, list):
         for v in doc:
-            _check_depth(v, path, depth + 1)
+            _check_depth(v, path, depth + 1, seen)

@@ -20,6 +20,8 @@ def parse_memory_bytes(text: str) -> int | None:
     if not m:
         return None
     value, unit = float(m.group(1)), m.group(2).lower()
+    if value > 1 << 60:  # 400 digits of GiB: not a memory amount (and float('1e400') is inf, which no int holds)
+        return None
     if unit in ("gib", "g"):
         return int(round(value * GiB))
     if unit in ("mib", "m"):

@@ -35,7 +35,7 @@ GPU_REQUIRED = {
     "source",
     "notes",
 }
-GPU_OPTIONAL = {"peak_fp16_dense_tflops"}
+GPU_OPTIONAL = {"peak_fp16_dense_tflops", "link", "link_gb_s", "link_source"}
 
 # Entries the catalog promises to ship (catalog name -> model_type).
 EXPECTED_MODELS = {

@@ -116,3 +116,83 @@ def test_the_plans_top_pick_ran_as_predicted():
     measured_tps = statistics.median(x["tokens_per_s"] for x in lines[1:])
     predicted = throughput.predict(model, setup, h200).tokens_per_s
     assert abs(measured_tps - predicted) <= 0.15 * predicted, (measured_tps, predicted)
+
+
+# ---- issue 12: every option the planner can choose, measured (bench/results/issue12/, bench/options.sh) ----------
+
+OPTION_ROWS = __import__("fitune.profile.accuracy", fromlist=["compare_profiles"]).compare_profiles(
+    os.path.join(ROOT, "bench", "results", "issue12", "options.jsonl"), root=ROOT)
+
+
+def test_the_option_cases_cover_every_method_optimizer_and_new_architecture():
+    setups = [r.setup for r in OPTION_ROWS]
+    assert len(OPTION_ROWS) >= 30
+    assert {s.method for s in setups} >= {"lora", "qlora", "full", "freeze"}
+    assert {s.optimizer for s in setups} >= {"adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd"}
+    assert {"fp16", "bf16"} <= {s.dtype for s in setups} and "liger" in {s.kernels for s in setups}
+    assert {r.model_type for r in OPTION_ROWS} >= {"gemma3_text", "phi3", "qwen3_moe", "mixtral"}
+    assert any(s.keep_outputs for s in setups) and any(s.tiled_mlp for s in setups)
+
+
+@pytest.mark.parametrize("row", OPTION_ROWS, ids=[r.label for r in OPTION_ROWS])
+def test_each_option_case_is_within_the_goal_or_its_plans_say_unvalidated(row):
+    """Issue 12's goal: peak allocated within 2 %, reserved within 5 %. A case outside it must leave a trace in
+    the planner: its setup's options are listed as unvalidated (fitune/specs/data/measured.json)."""
+    from fitune.plan.measured import unmeasured_reasons
+
+    within = abs(row.allocated_error_pct) <= 2.0 and abs(row.reserved_error_pct) <= 5.0
+    assert within or unmeasured_reasons(row.setup, row.model_type), row
+
+
+def test_the_planners_evidence_file_is_current():
+    import json
+
+    from fitune.plan.measured import MEASURED_PATH
+    from fitune.profile.accuracy import measured_evidence
+
+    committed = json.load(open(MEASURED_PATH, encoding="utf-8"))
+    assert committed == json.loads(json.dumps(measured_evidence(ROOT))), \
+        "run `python -m fitune.profile.accuracy --write-measured`"
+
+
+def test_readme_accuracy_table_by_method_and_optimizer_matches():
+    from fitune.profile.accuracy import measured_rows, method_table
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert method_table(measured_rows(ROOT)) in readme
+
+
+@pytest.mark.parametrize("trace, case", [("snap_llama-3.2-1b_full_0.json.gz", ("llama-3.2-1b:full", 0)),
+                                         ("snap_qwen2.5-1.5b_full_0.json.gz", ("qwen2.5-1.5b:full", 0))])
+def test_full_fine_tune_traces_replay_to_their_reserved_peak(trace, case):
+    """The allocator model fed a full fine-tune's measured trace (the optimizer state created in the first step,
+    full-size gradients) lands on the measured reserved peak: what the estimator's tape must then reproduce."""
+    import gzip
+    import json
+
+    from fitune.memory.allocator import CachingAllocatorModel
+    from fitune.memory.estimate import _resident_blocks, estimate
+    from fitune.memory.tape import OPTIMIZER
+    from fitune.setup import TrainSetup
+    from fitune.specs.model import load_model_spec
+
+    folder = os.path.join(ROOT, "bench", "results", "issue12")
+    rec = next(r for r in map(json.loads, open(os.path.join(folder, "full_recipe.jsonl")))
+               if (r["group"], r["case"]) == case)
+    spec, setup = load_model_spec(rec["model"]), TrainSetup.from_dict(rec, strict=False)
+    resident = {**estimate(spec, setup).resident_bytes, OPTIMIZER: 0}  # the state is in the trace
+    a = CachingAllocatorModel()
+    for i, n in enumerate(_resident_blocks(spec, setup, resident)):
+        a.malloc(-1 - i, n)
+    live, k = {}, 0
+    with gzip.open(os.path.join(folder, "snaps", trace), "rt") as f:
+        for action, addr, size, _ in json.load(f)["events"]:
+            if action == "alloc":
+                k += 1
+                live[addr] = k
+                a.malloc(k, size)
+            elif action == "free_completed" and addr in live:
+                a.release(live.pop(addr))
+    assert abs(a.peak_reserved - rec["peak_reserved_bytes"]) <= 0.01 * rec["peak_reserved_bytes"]
+    est = estimate(spec, setup)
+    assert abs(est.peak_reserved_bytes - rec["peak_reserved_bytes"]) <= 0.02 * rec["peak_reserved_bytes"]

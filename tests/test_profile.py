@@ -11,6 +11,7 @@ pytest.importorskip("peft")
 from fitune.cli.main import main  # noqa: E402
 from fitune.memory import estimate  # noqa: E402
 from fitune.profile.run import profile  # noqa: E402
+from fitune.profile.tracker import MAX_TIMELINE_POINTS  # noqa: E402
 from fitune.setup import TrainSetup  # noqa: E402
 from fitune.specs.gpu import resolve_gpu  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
@@ -63,13 +64,69 @@ def test_fitune_stack_techniques_match_the_estimate(tmp_path, changes):
 
 def test_profile_json_keys_are_stable(tmp_path, capsys):
     path = _config(tmp_path)
-    assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--json"]) == 0
+    page = tmp_path / "profile.html"
+    args = ["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--json", "--html", str(page)]
+    assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"model", "setup", "device", "steps", "cap_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                         "peak_phase", "phases", "breakdown", "estimate", "difference_bytes", "step_time_s",
-                        "tokens_per_step", "tokens_per_s", "mfu", "num_alloc_retries", "fragmentation_bytes", "oom"}
+                        "tokens_per_step", "tokens_per_s", "mfu", "num_alloc_retries", "fragmentation_bytes", "oom",
+                        "timeline"}
     assert set(doc["phases"]) == {"forward", "backward", "optimizer"}
     assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown"}
+    # the memory timeline of the profiled steps: time order, every phase, the peak among the samples
+    timeline = doc["timeline"]
+    assert 0 < len(timeline) <= MAX_TIMELINE_POINTS
+    assert all(set(x) == {"t_s", "phase", "live_bytes", "allocated_bytes", "reserved_bytes"} for x in timeline)
+    assert [x["t_s"] for x in timeline] == sorted(x["t_s"] for x in timeline)
+    assert {"forward", "backward", "optimizer"} <= {x["phase"] for x in timeline}
+    assert all(x["allocated_bytes"] is None and x["reserved_bytes"] is None for x in timeline)  # the CPU: no allocator
+    peak = max(timeline, key=lambda x: x["live_bytes"])
+    assert peak["live_bytes"] == doc["peak_allocated_bytes"] and peak["phase"] == doc["peak_phase"]
+    # --html draws that timeline: its points carry the JSON's numbers
+    from test_report import check_marks, marks_of
+
+    html = page.read_text()
+    assert "Memory over time" in html
+    marks = marks_of(html).marks
+    assert any(m["key"].startswith("timeline.") and m["key"].endswith(".live_bytes") for m in marks)
+    assert check_marks(marks, {"main": doc}) > 0
+
+
+def _samples(n, phases=("forward", "backward", "optimizer"), per_phase=None):
+    from fitune.profile.tracker import Sample
+
+    per_phase = per_phase or n // len(phases)
+    return [Sample(0.001 * i, phases[i // per_phase % len(phases)],
+                   1000 + (i * 7919) % 5000 + (300_000 if i == n // 3 else 0))  # one peak, a third of the way
+            for i in range(n)]
+
+
+def test_downsample_keeps_the_peak_the_phase_bands_and_the_bound():
+    from fitune.profile.tracker import downsample
+
+    samples = _samples(50_000, per_phase=5_000)  # 10 phase runs
+    kept = downsample(samples, 500)
+    assert len(kept) <= 500 and kept == sorted(kept, key=lambda x: x.t_s)
+    assert max(kept, key=lambda x: x.live_bytes) is samples[50_000 // 3]
+    starts = [i for i in range(len(samples)) if i == 0 or samples[i].phase != samples[i - 1].phase]
+    assert all(samples[i] in kept for i in starts)  # each phase band starts where it did
+    assert min(x.live_bytes for x in kept) == min(x.live_bytes for x in samples)
+    short = _samples(300)
+    assert downsample(short, 500) == short
+    # CUDA: the allocator's counters read now and then; its highest reading survives, and the line stays drawn
+    from fitune.profile.tracker import Sample
+
+    cuda = [Sample(x.t_s, x.phase, x.live_bytes,
+                   *((x.live_bytes + 100, 2 * x.live_bytes) if i % 7 == 0 else (None, None)))
+            for i, x in enumerate(samples)]
+    cuda[7 * 1000].allocated_bytes = 10**9
+    kept = downsample(cuda, 500)
+    assert len(kept) <= 500 and cuda[7000] in kept and cuda[50_000 // 3] in kept
+    assert sum(1 for x in kept if x.allocated_bytes is not None) > 100
+    many_runs = _samples(20_000, per_phase=10)  # 2,000 phase runs: more than the points allowed
+    kept = downsample(many_runs, 500)
+    assert len(kept) <= 500 and max(kept, key=lambda x: x.live_bytes) is many_runs[20_000 // 3]
 
 
 def test_cap_turns_an_oom_into_a_post_mortem(tmp_path, capsys):

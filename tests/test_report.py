@@ -254,6 +254,30 @@ def test_profile_page_draws_the_timeline_when_the_document_has_one():
     assert sum(1 for m in p.marks if m["key"].startswith("timeline.")) == 240
 
 
+def profile_timeline_doc(points: int = 2000) -> dict:
+    """The seeds' GPU profile with a timeline as `fitune profile --json` prints it on CUDA (a made-up shape)."""
+    with open(PROFILE_GPU) as f:
+        doc = json.load(f)
+    phases = ("forward", "backward", "optimizer")
+    doc["timeline"] = []
+    for i in range(points):
+        live = int((10 + 5 * (i % 400) / 400) * GiB)
+        doc["timeline"].append({"t_s": round(0.0005 * i, 6), "phase": phases[i * 9 // points % 3], "live_bytes": live,
+                                "allocated_bytes": live + 300 * MiB, "reserved_bytes": 16 * GiB + (i // 400) * 256 * MiB})
+    return doc
+
+
+def test_profile_page_draws_allocated_and_reserved_from_the_json_timeline():
+    doc = profile_timeline_doc()
+    html, p = _render_and_check("profile", doc)
+    assert "Memory over time" in html and "memory over time" in html
+    for name in ("live tensors", "allocated", "reserved"):
+        assert f'data-series="{name}"' in html
+    keys = {m["key"] for m in p.marks}
+    assert {"timeline.0.live_bytes", "timeline.0.allocated_bytes", "timeline.1999.reserved_bytes"} <= keys
+    assert html.count('data-band="forward"') == 3  # three steps: each phase run is one band
+
+
 def test_train_page_charts_every_step(tmp_path):
     run = write_run(tmp_path / "run", partial_last_line=True)  # a line being written is skipped
     doc = read_run(run)

@@ -13,7 +13,8 @@ import pytest
 
 from fitune.report import read_run, write_html
 
-from test_report import PROFILE_GPU, PROFILE_OOM, check_marks, doctor_doc, estimate_doc, plan_doc, write_run
+from test_report import (PROFILE_GPU, PROFILE_OOM, check_marks, doctor_doc, estimate_doc, plan_doc,
+                         profile_timeline_doc, write_run)
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
@@ -130,6 +131,17 @@ def test_profile_in_the_browser(open_page):
         assert check_marks(_marks(page), {"main": doc}) > 10
         assert errors == []
         _fits_1280(page)
+
+
+def test_profile_timeline_in_the_browser(open_page):
+    doc = profile_timeline_doc()
+    page, errors = open_page("profile", doc)
+    marks = _marks(page)
+    assert check_marks(marks, {"main": doc}) > 1000  # up to 400 points of each of the three lines
+    assert errors == []
+    _fits_1280(page)
+    chart = page.locator('figure.chart[data-chart="memory over time"]')
+    assert chart.locator("g.series").count() == 3 and chart.locator("rect[data-band]").count() == 9
 
 
 def test_train_in_the_browser(open_page, tmp_path):

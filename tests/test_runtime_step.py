@@ -177,3 +177,37 @@ def test_is_oom():
     assert is_oom(RuntimeError("CUDA error: out of memory"))
     assert not is_oom(RuntimeError("shape mismatch"))
     assert not is_oom(ValueError("out of memory"))
+
+
+def test_keep_outputs_holds_the_model_output_through_the_optimizer_step():
+    """`out = model(**batch); out.loss.backward()`: the output (its logits) is still referenced when the optimizer
+    steps; without keep_outputs only the loss is (issue 12: the estimate's keep_outputs, measured by profile)."""
+    import weakref
+
+    class Out(SimpleNamespace):
+        pass
+
+    seen = {}
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, **kwargs):
+            out = Out(loss=self.w * 2, logits=torch.zeros(3))
+            seen["out"] = weakref.ref(out)
+            return out
+
+    class Probe(torch.optim.SGD):
+        alive = None
+
+        def step(self, closure=None):
+            Probe.alive = seen["out"]() is not None
+            return super().step(closure)
+
+    model, ids = Recorder(), torch.zeros(1, 4, dtype=torch.long)
+    for keep in (False, True):
+        train_step(model, Probe(model.parameters(), lr=0.0), [ids], recipe=True, keep_outputs=keep)
+        assert Probe.alive is keep
+        assert seen["out"]() is None  # and it is freed once the step returns

@@ -21,8 +21,8 @@ script=tests/fixtures/doctor/scripts/checkpoint-reentrant.py
 $BIN/fitune doctor "$script" --json > "$WORK/doctor.json" || true   # exit 1: it has an error-severity finding
 $BIN/fitune report doctor "$WORK/doctor.json" --script "$script" -o "$WORK/doctor.html"
 
-# a tiny CPU run of fitune train, and a CPU profile with its memory timeline (fitune profile --json does not
-# print the timeline yet, so the profile is taken through the Python API here)
+# a tiny CPU run of fitune train, and a CPU profile with its memory timeline (through the Python API here;
+# `fitune profile --json` prints the same timeline)
 $BIN/python - "$WORK" <<'PY'
 import json, os, sys
 sys.path.insert(0, "tests")

@@ -47,3 +47,28 @@ def setup_and_model(args, default_stack: str | None = None) -> tuple[str | None,
     origin.update({f: "flag" for f in flags})
     return model, base.replace(**flags), origin
 
+
+
+def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
+    """Refuse, before any work is done, an output file that cannot be written: an empty name, a folder, a path
+    under a file, a missing folder (unless the writer makes it: `make_parents`) or one this user cannot write."""
+    import os
+
+    from ..errors import ConfigError
+
+    if not path or not path.strip():
+        raise ConfigError(f"{flag} needs a file name, got {path!r}")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a folder; give the name of a file (inside it, or elsewhere)")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path} exists and is not writable by this user; choose another file")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        if not make_parents:
+            raise ConfigError(f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or "
+                              "write somewhere else")
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: the folder {folder} is not writable by this user; write somewhere else")

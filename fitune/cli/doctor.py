@@ -83,6 +83,10 @@ def run(args) -> int:
 
     if args.list_rules:
         return _list_rules()
+    if args.html is not None:
+        from .common import check_output_file
+
+        check_output_file(args.html, "--html", make_parents=True)
     if args.script and args.data:
         raise ConfigError("pass either SCRIPT or --data FILE, not both (run fitune doctor twice)")
     if args.data:
@@ -121,7 +125,7 @@ def _run_script(args, worst_exit_code) -> int:
     from ..specs.gpu import resolve_gpu
     from .estimate import estimate_to_json, format_estimate
 
-    gpu = resolve_gpu(args.gpu or DEFAULT_GPU)
+    gpu = resolve_gpu(DEFAULT_GPU if args.gpu is None else args.gpu)
     report = diagnose_script(args.script, gpu, setup_overrides(args), args.model)
     findings, d = report.findings, report.diagnosis
     from ..report import maybe_write_html
@@ -167,10 +171,18 @@ def _run_data(args, worst_exit_code) -> int:
     from ..doctor.data import scan_data
     from ..doctor.report import format_data_report
 
+    import os
+
+    if not os.path.exists(args.data):
+        raise ConfigError(f"--data {args.data}: no such file; pass the .jsonl / .json file your training reads")
     if not args.tokenizer:
         raise ConfigError("--data needs --tokenizer DIR: the folder of the tokenizer your training uses "
                           "(a model folder)")
-    report = scan_data(args.data, args.tokenizer, seq_len_tokens=args.seq_len, batch_size=args.batch_size)
+    from .progress import progress_callback
+
+    with progress_callback("doctor: encoding", "record", enabled=not args.json) as progress:
+        report = scan_data(args.data, args.tokenizer, seq_len_tokens=args.seq_len, batch_size=args.batch_size,
+                           progress=progress)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()

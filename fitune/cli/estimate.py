@@ -79,7 +79,11 @@ def run(args) -> int:
     setup = setup_from_args(args)
     if not args.model:
         raise ConfigError("MODEL is missing: name a catalog model (e.g. llama-3.1-8b), a config.json or a model folder")
-    gpu = resolve_gpu(args.gpu) if args.gpu else None
+    if args.html is not None:
+        from .common import check_output_file
+
+        check_output_file(args.html, "--html", make_parents=True)
+    gpu = resolve_gpu(args.gpu) if args.gpu is not None else None
     if args.engine == "trace":  # builds any architecture transformers knows: no analytic ModelSpec, no arch check
         return _run_trace(args, setup, gpu)
     model = load_model_spec(args.model)
@@ -124,6 +128,9 @@ def estimate_to_json(est) -> dict:
         "host_bytes": est.host_bytes,
         "notes": list(est.notes),
     }
+    if _per_gpu(est.setup):  # one rank of a multi-GPU run: every byte above is per GPU
+        out["per_gpu"] = True
+        out["host_breakdown"] = dict(est.host_breakdown)
     if est.gpu is not None:
         out["gpu"] = {"name": est.gpu.name, "total_bytes": est.gpu.total_bytes,
                       "allocator_budget_bytes": est.gpu.allocator_budget_bytes}
@@ -143,8 +150,15 @@ LABELS = {
     "logits_and_loss": "logits and loss",
     "transients": "transients",
     "workspaces": "cuBLAS workspaces",
+    "gathered_weights": "gathered weights",
+    "comm_buffers": "comm buffers",
     "allocator_overhead": "allocator overhead",
 }
+
+
+def _per_gpu(s) -> bool:
+    """The estimate is one rank's of several GPUs, or of a sharding strategy on one."""
+    return s.num_gpus > 1 or s.strategy != "ddp"
 
 
 def format_estimate(est, suggestions=()) -> str:
@@ -156,9 +170,15 @@ def format_estimate(est, suggestions=()) -> str:
                  f"checkpointing {s.grad_checkpointing}, attention {s.attn}, optimizer {s.optimizer}, "
                  f"loss {s.loss}, stack {s.stack}")
     lines.append(f"  {est.total_params / 1e9:.2f}B parameters, {est.trainable_params / 1e6:.2f}M trainable")
+    per_gpu = _per_gpu(s)
+    if per_gpu:
+        lines.append(f"  per GPU: one of {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}, strategy {s.strategy} "
+                     f"(batch {s.batch_size} per GPU; every number below is one GPU's)")
     lines.append("")
-    lines.append(f"  at the peak ({est.peak_phase}):")
+    lines.append(f"  at the peak ({est.peak_phase}){', per GPU' if per_gpu else ''}:")
     for key, label in LABELS.items():
+        if key not in est.breakdown and key in ("gathered_weights", "comm_buffers"):
+            continue  # single-GPU estimates have no such category
         v = est.breakdown.get(key, 0)
         lines.append(f"    {label:22s} {gib(v):>12s}")
     lines.append(f"    {'-' * 22} {'-' * 12}")
@@ -167,7 +187,10 @@ def format_estimate(est, suggestions=()) -> str:
     lines.append("")
     lines.append("  phase peaks (allocated): " + ", ".join(
         f"{p} {gib(ph.peak_allocated_bytes)}" for p, ph in est.phases.items()))
-    if est.host_bytes:
+    if est.host_bytes and est.host_breakdown:
+        parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in est.host_breakdown.items() if v)
+        lines.append(f"  pinned host memory per GPU: {gib(est.host_bytes)} ({parts})")
+    elif est.host_bytes:
         lines.append(f"  pinned host memory for offloaded checkpoints: {gib(est.host_bytes)}")
     for n in est.notes:
         lines.append(f"  note: {n}")
@@ -188,8 +211,8 @@ def format_estimate(est, suggestions=()) -> str:
             if est.tight:
                 verdict += " (tight: within 5 % of the budget, where run-to-run fragmentation decides)"
         lines.append("")
-        lines.append(f"  {g.name}: {gib(g.allocator_budget_bytes)} for PyTorch's allocator "
-                     f"(of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")
+        lines.append(f"  {g.name}{' (each GPU)' if per_gpu else ''}: {gib(g.allocator_budget_bytes)} for PyTorch's "
+                     f"allocator (of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")
         lines.append(f"  largest terms: {top}")
         if suggestions:
             lines.append("  changes that fit (one at a time):")
@@ -204,9 +227,14 @@ def format_estimate(est, suggestions=()) -> str:
 def _run_trace(args, setup: TrainSetup, gpu) -> int:
     """`--engine trace`: the real transformers + PEFT model on fake tensors, for any architecture transformers
     builds from the config.json. Every setting is traced as given or refused by name (fitune/trace/support.py)."""
-    from ..specs.model import resolve_model_source
+    from ..specs.model import check_hf_config, resolve_model_source
 
     source = resolve_model_source(args.model)
+    cfg = source.hf_config.get("text_config") if isinstance(source.hf_config.get("text_config"), dict) \
+        else source.hf_config
+    problems = check_hf_config(cfg, source.model_type, required=(), bounds_only=True)  # before transformers
+    if problems:  # builds 10**6 layers; the rest (heads dividing hidden, ...) transformers checks and says itself
+        raise ConfigError(f"{source.source or source.name}: config.json's {'; '.join(problems)}; fix the file")
     try:
         import peft  # noqa: F401
         import torch  # noqa: F401

@@ -41,6 +41,22 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:  # `fitune estimate ... | head`
         return 0
+    # The last line of defence of "no input gets a traceback" (tests/test_bad_inputs.py): what slips past the
+    # checks still gets one message saying what to do, and exit status 2.
+    except RecursionError:
+        print(f"fitune {args.command}: error: an input is nested too deeply to read (Python's recursion limit); "
+              "check the files given (a config, a data file or a script nested thousands of levels deep)",
+              file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"fitune {args.command}: error: ran out of host memory; check the sizes given (--seq-len, "
+              "--batch-size, lora.rank, the model) and the files' sizes", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file that vanished, a full disk, a permission the checks could not foresee
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"fitune {args.command}: error: cannot use{where}: {exc.strerror or exc}; check the path, its "
+              "permissions and the free space", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

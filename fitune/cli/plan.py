@@ -14,7 +14,8 @@ from ..units import GiB, parse_memory_bytes
 DESCRIPTION = """\
 Search the training setups of MODEL that fit the GPU and rank them by predicted speed.
 
-The search varies the method (--method; LoRA and QLoRA by default), the micro-batch and gradient accumulation
+The method stays yours (--method, LoRA by default) unless you name others it may switch to (--method lora,qlora);
+the search varies the micro-batch and gradient accumulation
 (their product stays the batch you ask for), activation checkpointing, attention and optimizer; with --data the
 sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
 packing is turned on when it removes at least 10 % of the padding. LoRA rank and targets stay as you give them.
@@ -43,7 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a catalog GPU (rtx4090, a100-80gb, ...: fitune estimate --list-gpus) or the memory PyTorch "
                    "may use, e.g. 23.4GiB")
     p.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="data parallel over N GPUs: each holds a full copy and takes batch / N (default 1)")
+                   help="up to N GPUs (default 1): searches DDP (a full copy on each), FSDP and DeepSpeed ZeRO-2/3 "
+                   "(sharded) on N and on its divisors; the batch is split over the GPUs, memory is per GPU")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help=f"sequences per optimizer step, all GPUs together "
                        f"(default {d.batch_size})")
@@ -52,8 +54,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="FILE", help="training data (.jsonl / .json / .parquet): its token lengths set "
                    "the sequence length and packing (needs --tokenizer unless MODEL is a folder; imports transformers)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for --data (default: the MODEL folder)")
-    p.add_argument("--method", default="lora,qlora",
-                   help="methods to consider, comma-separated: lora, qlora, full, freeze (default lora,qlora)")
+    p.add_argument("--method", default="lora",
+                   help="the method to train with: lora, qlora, full or freeze (default lora). Name several, "
+                        "comma-separated, to let the plan change it (lora,qlora: QLoRA where it is faster or "
+                        "fits); the first is yours, and a plan with another says what that costs and buys")
     p.add_argument("--no-quantize", action="store_true", help="leave out QLoRA (4-bit base weights)")
     p.add_argument("--host-ram", metavar="NGiB", help="host memory: methods whose loading needs more are left out")
     p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
@@ -91,6 +95,11 @@ def run(args) -> int:
     from ..specs.gpu import resolve_gpu
     from ..specs.model import catalog_key, load_model_spec, model_catalog
 
+    from .common import check_output_file
+
+    for flag, path in (("--write", args.write), ("--html", args.html)):
+        if path is not None:
+            check_output_file(path, flag, make_parents=flag == "--html")  # before the search, not after it
     t0 = time.perf_counter()
     model = load_model_spec(args.model)
     gpu = resolve_gpu(args.gpu)
@@ -107,13 +116,17 @@ def run(args) -> int:
     if args.data:
         data, seq_len, data_notes = _read_data(args, model)
     batch_size, batch_notes = _batch_size(args, seq_len)
+    _check_batch(args, batch_size)
     req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
                       methods=methods, lora_rank=kept.lora_rank, lora_alpha=kept.lora_alpha,
                       lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
                       freeze_trainable_layers=kept.freeze_trainable_layers, attns=available_attns(),
                       allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kept.kernels,
                       data=data, top=args.top)
-    result = plan(req)
+    from .progress import progress_callback
+
+    with progress_callback("plan: searching", "setup", enabled=not args.json) as progress:
+        result = plan(req, progress=progress)
     elapsed = time.perf_counter() - t0
     notes = data_notes + batch_notes
     name = catalog_key(args.model)
@@ -173,12 +186,25 @@ def _batch_size(args, seq_len: int) -> tuple[int, list[str]]:
         return (args.batch_size if args.batch_size is not None else DEFAULT_SETUP.batch_size), []
     if args.tokens_per_step < 1:
         raise ConfigError(f"--tokens-per-step must be a positive integer, got {args.tokens_per_step}")
-    batch = max(1, round(args.tokens_per_step / seq_len))
+    batch = max(1, (2 * args.tokens_per_step + seq_len) // (2 * seq_len))  # the nearest whole batch, in integers
     notes = []
     if batch * seq_len != args.tokens_per_step:
         notes.append(f"--tokens-per-step {args.tokens_per_step:,}: {batch} sequences of {seq_len} = "
                      f"{batch * seq_len:,} tokens per step (the nearest whole batch)")
     return batch, notes
+
+
+def _check_batch(args, batch_size: int) -> None:
+    """--gpus and the batch within what a plan can hold (TrainSetup's bounds), said before the search starts."""
+    from ..plan.search import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, micro_batch_candidates
+
+    if args.gpus > 4096:
+        raise ConfigError(f"--gpus must be at most 4096, got {args.gpus}")
+    if args.gpus >= 1 and batch_size >= 1 and batch_size % args.gpus == 0 \
+            and not micro_batch_candidates(batch_size // args.gpus):
+        raise ConfigError(f"--batch-size {batch_size:,}: no micro-batch of at most {MAX_MICRO_BATCH:,} sequences "
+                          f"divides it with at most {MAX_GRAD_ACCUM:,} accumulation steps; choose a batch with such a "
+                          f"divisor (at most {MAX_MICRO_BATCH * MAX_GRAD_ACCUM:,} sequences per GPU)")
 
 
 def _read_data(args, model):
@@ -192,7 +218,10 @@ def _read_data(args, model):
                           "folder to take it from")
     if not os.path.exists(args.data):
         raise ConfigError(f"--data {args.data}: no such file")
-    profile = profile_data(args.data, tokenizer)
+    from .progress import progress_callback
+
+    with progress_callback("plan: encoding --data", "record", enabled=not args.json) as progress:
+        profile = profile_data(args.data, tokenizer, progress=progress)
     seq, truncated = choose_seq_len(profile, kept_setup(args).seq_len_tokens)
     notes = [f"--data {args.data}: {profile.examples:,} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
              f"{profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,} -> --seq-len {seq}"
@@ -219,7 +248,8 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
              f"({result.estimated_fast} extrapolated + {result.estimated_full} full estimates) in {elapsed_s:.2f} s"]
     if result.plans:
         lines.append("")
-        lines.append(f"  {'#':>2} {'tokens/s':>9s} {'allocated':>10s} {'reserved':>10s}   plan")
+        lines.append(f"  {'#':>2} {'tokens/s':>9s} {'allocated':>10s} {'reserved':>10s}   plan"
+                     + ("   (tokens/s over all GPUs; memory per GPU)" if req.num_gpus > 1 else ""))
         for i, p in enumerate(result.plans, 1):
             flag = "!" if p.retries_expected else " "
             lines.append(f"  {i:>2} {p.trained_tokens_per_s:>9,.0f} {_gib(p.peak_allocated_bytes):>10s} "
@@ -228,6 +258,13 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
             if p.retries_expected:
                 lines.append("      ! the reserved peak is over the budget: expect allocator retries (slower; a "
                              "fragmented cache can still fail)")
+            if p.tight:
+                lines.append("      tight: the reserved peak is within 5 % of the budget, where run-to-run "
+                             "fragmentation decides")
+            if p.method_change:
+                lines.append(f"      method: {p.method_change}")
+            if p.unvalidated_reasons:
+                lines.append(f"      unvalidated: {'; '.join(p.unvalidated_reasons)}")
             if p.requires:
                 lines.append(f"      needs: {', '.join(p.requires)}")
     if result.rejected:
@@ -309,4 +346,10 @@ def plan_to_json(p, rank: int) -> dict:
         "turns_on": list(p.turns_on),
         "requires": list(p.requires),
         "runnable": True,
+        "num_gpus": p.setup.num_gpus,
+        "strategy": p.setup.strategy,
+        "tight": p.tight,
+        "method_change": p.method_change or None,
+        "unvalidated": bool(p.unvalidated_reasons),
+        "unvalidated_reasons": list(p.unvalidated_reasons),
     }

@@ -57,9 +57,12 @@ def run(args) -> int:
         raise ConfigError(f"--steps must be a positive integer, got {args.steps}")
     spec = load_model_spec(model_name)
     setup.validate(num_layers=spec.num_layers, hidden_size=spec.hidden_size, linear_names=spec.linear_names())
-    cap = resolve_gpu(args.cap) if args.cap else None
-    gpu = resolve_gpu(args.gpu) if args.gpu else (cap if cap and cap.peak_bf16_tflops else
+    cap = resolve_gpu(args.cap, "--cap") if args.cap is not None else None
+    gpu = resolve_gpu(args.gpu) if args.gpu is not None else (cap if cap and cap.peak_bf16_tflops else
                                                   (resolve_gpu("h200") if args.device == "cuda" else None))
+    if args.device == "cpu":
+        check_cpu_can_run(spec, setup, model_name)
+    check_output_paths(args)
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -85,6 +88,68 @@ def run(args) -> int:
     else:
         print(format_result(result))
     return 1 if result.oom else 0
+
+
+#: The largest training step `--device cpu` runs, in FLOPs (forward + backward, `fitune.perf.flops`): about
+#: three minutes at the ~100 GFLOP/s of a laptop CPU. CPU profiling is for tiny models (tests, smoke runs).
+CPU_MAX_STEP_FLOPS = 2e13
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to a new process (Linux's MemAvailable), bytes; None when it cannot be told."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_cpu_can_run(spec, setup, model_name: str) -> None:
+    """Refuse, before any tensor exists, a `--device cpu` run that cannot fit this machine's memory or would take
+    hours: the step's estimated bytes against the available host memory, its FLOPs against CPU_MAX_STEP_FLOPS."""
+    from ..memory import estimate
+    from ..perf.flops import hardware_flops_per_token
+    from ..units import gib
+
+    problems = []
+    est = estimate(spec, setup, None, device="cpu")
+    need = est.peak_allocated_bytes + est.host_bytes
+    available = available_host_bytes()
+    if available is not None and need > available:
+        problems.append(f"--device cpu: a training step of {model_name} needs about {gib(need)} (fitune estimate), "
+                        f"and this machine has {gib(available)} of memory available")
+    flops = hardware_flops_per_token(spec, setup) * setup.batch_size * setup.seq_len_tokens
+    if flops > CPU_MAX_STEP_FLOPS:
+        problems.append(f"--device cpu: one step of {model_name} at {setup.batch_size} x {setup.seq_len_tokens} "
+                        f"tokens is about {flops / 1e12:,.0f} TFLOP; CPU profiling is for tiny models (at most "
+                        f"{CPU_MAX_STEP_FLOPS / 1e12:.0f} TFLOP a step, minutes on a CPU)")
+    if problems:
+        raise ConfigError("; ".join(problems) + ". Profile it on a GPU (--device cuda), estimate it without running "
+                          f"it (fitune estimate {model_name} ...), or profile a smaller config.json on the CPU (fewer "
+                          "layers, a shorter --seq-len)")
+
+
+def check_output_paths(args) -> None:
+    """--plot: matplotlib is there and the file can be written, checked before the run rather than after it."""
+    from .common import check_output_file
+
+    if args.plot is not None:
+        check_output_file(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib (or pip install 'fitune[plot]'); "
+                              "--html draws its charts without it") from exc
+    if getattr(args, "html", None) is not None:
+        check_output_file(args.html, "--html", make_parents=True)
 
 
 def format_result(r) -> str:

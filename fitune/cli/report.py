@@ -83,8 +83,22 @@ def run(args) -> int:
             problems.append(f"--{flag} must be a positive number of seconds, got {value}")
     if problems:
         raise ConfigError(problems)
+    import os
+
+    for flag, path in (("INPUT", args.input if args.kind != "train" else None), ("--measured", args.measured),
+                       ("--script", args.script)):
+        if path and path != "-" and os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is not a regular file (a pipe or a device?); pass a file (or - for "
+                              "stdin)")  # opening a pipe nobody writes to would wait forever
     out = args.output or default_output(args.kind, args.input)
-    doc = load_document(args.kind, args.input, script=args.script)
+    from .common import check_output_file
+
+    check_output_file(out, "-o" if args.output else "-o (default: beside INPUT)", make_parents=True)
+    try:
+        doc = load_document(args.kind, args.input, script=args.script)
+    except RecursionError:
+        raise ConfigError(f"{args.input}: JSON nested too deeply to be the output of `fitune {args.kind} --json`; "
+                          "pass what the command printed") from None
     options = {"refresh_s": args.refresh}
     if args.measured:
         from ..report.load import check_kind

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from ..errors import ConfigError
 
@@ -21,6 +22,15 @@ refused unless --resume (continue it) or --overwrite (move it aside). Checkpoint
 steps, every save_every_minutes (default 30) and at the end. Ctrl-C writes a checkpoint; --resume continues
 from the newest complete one, reproduces the losses of an uninterrupted run, and applies (lr, max_steps, ...) or
 refuses (lora.rank, batch_size, ...) each config change by name.
+
+Several GPUs (one machine): --gpus N starts N processes with torchrun, one per GPU, each running the same loop on
+its slice of every batch (the global batch is batch_size x grad_accum x gpus); rank 0 writes the outputs.
+--strategy picks the engine: ddp (DistributedDataParallel, a whole copy per GPU: LoRA, QLoRA), fsdp (PyTorch
+FSDP2, sharded per decoder layer: LoRA, full), zero2 / zero3 / zero3_offload (DeepSpeed ZeRO; pip install
+deepspeed). FSDP2 checkpoints are sharded and resume on another number of GPUs:
+  fitune train run.yaml --gpus 4 --strategy fsdp
+  fitune train run.yaml --gpus 2 --resume          (continues the 4-GPU run's checkpoint on 2 GPUs)
+Without CUDA, FITUNE_CPU_RANKS=1 rehearses the run as N CPU processes (gloo).
 """
 
 
@@ -64,22 +74,45 @@ def run(args) -> int:
     from ..config import config_from_dict, train_values_from_args
     from ..schema import load_config_file
 
+    if args.html is not None:
+        from .common import check_output_file
+
+        check_output_file(args.html, "--html", make_parents=True)
     doc = load_config_file(args.config)
     cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
+    from ..config import preflight_problems
+
+    if preflight_problems(cfg):
+        raise ConfigError(preflight_problems(cfg))
     try:
         import torch  # noqa: F401
     except ImportError as exc:
         raise ConfigError("fitune train needs torch, transformers and peft (pip install 'fitune[torch]')") from exc
+    from ..parallel.launch import launch, needs_launch
+    from ..report import maybe_write_html
+
+    if needs_launch(cfg.setup):  # several GPUs or DeepSpeed: torchrun starts one rank per GPU (fitune/parallel)
+        code = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+        if code == 0:
+            maybe_write_html(args, "train", cfg.output_dir)
+        return code
     from ..train.loop import train
 
-    logging.getLogger("fitune").setLevel(logging.INFO)
+    rank0 = os.environ.get("RANK", "0") == "0"  # one of several ranks (fitune/parallel/launch.py): rank 0 reports
+    if rank0:
+        logging.getLogger("fitune").setLevel(logging.INFO)
     result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    if not rank0:
+        return 0
+    print_result(result)
+    maybe_write_html(args, "train", result.output_dir)
+    return 0
+
+
+def print_result(result) -> None:
+    """The run's summary line (and its re-plans) on stdout."""
     last = f"{result.losses[-1]:.4f}" if result.losses else "n/a"
     print(f"trained {result.steps} steps; last loss {last}; outputs in {result.output_dir}"
           + (f" (adapter: {result.adapter_dir})" if result.adapter_dir else ""))
     for change in result.plan.changes:
         print(f"  re-planned at step {change['step']}: {change['why']}")
-    from ..report import maybe_write_html
-
-    maybe_write_html(args, "train", result.output_dir)
-    return 0

@@ -94,16 +94,16 @@ def scan_records(path: str) -> tuple[Records, list[RecordProblem]]:
     if os.path.isdir(path):
         pairs = _read_hf_dataset(path)
     else:
+        problem = data_path_problem(path)
+        if problem:
+            raise DataError(f"{path}: {problem}", path=path)
         suffix = os.path.splitext(path)[1].lower()
-        if suffix not in SUFFIXES:
-            raise DataError(
-                f"{path}: cannot read {suffix or 'a file without a suffix'}; fitune reads .jsonl (one JSON object per "
-                "line), .json (a list of objects), .parquet, or a folder saved with datasets' save_to_disk. Convert "
-                "the file to .jsonl, or rename it if it already is JSON lines",
-                path=path,
-            )
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); check its permissions", path=path) \
+                from None
         if suffix == ".jsonl":
             pairs = _read_jsonl(data, problems)
         elif suffix == ".json":
@@ -121,6 +121,33 @@ def scan_records(path: str) -> tuple[Records, list[RecordProblem]]:
     return Records(pairs, path), problems
 
 
+def data_path_problem(path: str) -> str | None:
+    """Why the existing `path` cannot be a data file, judged without reading its records (its type, suffix and
+    size); None when it may be one. Said without the path (callers add it)."""
+    if os.path.isdir(path):
+        if not any(os.path.exists(os.path.join(path, marker)) for marker in HF_DATASET_MARKERS):
+            return (f"is a folder but not a dataset saved with datasets' save_to_disk (it has none of "
+                    f"{', '.join(HF_DATASET_MARKERS)}); pass a .jsonl, .json or .parquet file, or the folder "
+                    "save_to_disk wrote")
+        return None
+    if not os.path.isfile(path):
+        return "is not a regular file (a device or a pipe?); pass a .jsonl, .json or .parquet file"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUFFIXES:
+        return (f"cannot read {suffix or 'a file without a suffix'}; fitune reads .jsonl (one JSON object per "
+                "line), .json (a list of objects), .parquet, or a folder saved with datasets' save_to_disk. Convert "
+                "the file to .jsonl, or rename it if it already is JSON lines")
+    return None
+
+
+def _loads(text: str):
+    """json.loads that turns a nesting too deep for Python's parser into the JSONDecodeError it is to users."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply (a record nests a few levels)", text[:80], 0) from None
+
+
 def _read_jsonl(data: bytes, problems: list[RecordProblem]) -> list[tuple[int, dict]]:
     records: list[tuple[int, dict]] = []
     for line_number, raw in enumerate(data.split(b"\n"), start=1):
@@ -134,7 +161,7 @@ def _read_jsonl(data: bytes, problems: list[RecordProblem]) -> list[tuple[int, d
         if not text.strip():
             continue
         try:
-            record = json.loads(text)
+            record = _loads(text)
         except json.JSONDecodeError as e:
             what = f"not valid JSON: {e.msg} (column {e.colno}); fix or delete the line"
             problems.append(RecordProblem(line_number, "bad-json", what))
@@ -160,7 +187,7 @@ def _read_json(path: str, data: bytes, problems: list[RecordProblem]) -> list[tu
     if not text.strip():
         return []
     try:
-        value = json.loads(text)
+        value = _loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several JSON values one after another: the file is JSON lines named .json
             return _read_jsonl(data, problems)

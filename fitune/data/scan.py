@@ -7,10 +7,10 @@ count the tokens training trains on: the same reader, format detection, chat tem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .encode import DataStats, encode_records
-from .read import RecordProblem, scan_records
+from .read import RecordProblem, Records, scan_records
 from .stats import HistogramBin, PaddingCost, histogram, padding_costs
 
 
@@ -38,8 +38,9 @@ class DataScan:
         return padding_costs(self.stats.lengths, self.stats.seq_len_tokens, batch_size)
 
 
-def scan_file(path: str, tokenizer: Any, seq_len_tokens: int, fmt: str | None = None) -> DataScan:
+def scan_file(path: str, tokenizer: Any, seq_len_tokens: int, fmt: str | None = None, progress=None) -> DataScan:
     """Read `path` and encode its records with `tokenizer` at seq_len_tokens; bad records are returned, not raised.
+    `progress(done, total)`, when given, is called as records are encoded (see `counting`).
 
     Raises:
         DataError: the file cannot be read as a whole or holds no record; no record has a known format; chat
@@ -47,5 +48,32 @@ def scan_file(path: str, tokenizer: Any, seq_len_tokens: int, fmt: str | None = 
         ConfigError: seq_len_tokens below 2, or an unknown fmt.
     """
     records, problems = scan_records(path)
-    _, stats, encode_problems = encode_records(records, tokenizer, fmt, seq_len_tokens, source=path)
+    _, stats, encode_problems = encode_records(counting(records, progress), tokenizer, fmt, seq_len_tokens, source=path)
     return DataScan(path, stats, tuple(sorted(problems + encode_problems, key=lambda p: p.line)))
+
+
+PROGRESS_EVERY = 64
+"""Records encoded between two progress calls (a call costs more than a short record's encoding)."""
+
+
+class _Counted(Records):
+    """Records whose iteration reports how far it has come (encoding takes one pass over them)."""
+
+    def __init__(self, records: Records, progress):
+        super().__init__(records, getattr(records, "path", None))
+        self._progress = progress
+
+    def __iter__(self):
+        total = len(self)
+        for done, pair in enumerate(super().__iter__()):
+            if done % PROGRESS_EVERY == 0:
+                self._progress(done, total)
+            yield pair
+        self._progress(total, total)
+
+
+def counting(records: Sequence[tuple[int, dict]], progress) -> Sequence[tuple[int, dict]]:
+    """`records`, reporting `progress(done, total)` as a pass over them advances (every PROGRESS_EVERY records and
+    at the end; format detection's look at the first records reports a little too); `records` itself without a
+    callback."""
+    return records if progress is None else _Counted(records, progress)

@@ -80,9 +80,10 @@ class DataReport:
 
 
 def scan_data(path: str, tokenizer_dir: str, seq_len_tokens: int | None = None,
-              batch_size: int = DEFAULT_BATCH_SIZE, fmt: str | None = None) -> DataReport:
+              batch_size: int = DEFAULT_BATCH_SIZE, fmt: str | None = None, progress=None) -> DataReport:
     """Encode every record of `path` as `fitune train` would, with the tokenizer in `tokenizer_dir`, and report
-    lengths, waste, truncation and bad records.
+    lengths, waste, truncation and bad records. `progress(done, total)`, when given, is told how many records are
+    encoded (the CLI's bar).
 
     Raises:
         DataError: the file is missing, empty, has no usable record, or the tokenizer cannot be loaded.
@@ -90,7 +91,7 @@ def scan_data(path: str, tokenizer_dir: str, seq_len_tokens: int | None = None,
     seq_len = seq_len_tokens or DEFAULT_SETUP.seq_len_tokens
     if seq_len < 2 or batch_size < 1:
         raise DataError(f"--seq-len must be at least 2 and --batch-size at least 1, got {seq_len} and {batch_size}")
-    scan = scan_file(path, load_tokenizer(tokenizer_dir), seq_len, fmt)
+    scan = scan_file(path, load_tokenizer(tokenizer_dir), seq_len, fmt, progress=progress)
     stats = scan.stats
     findings = _problem_findings(scan) + _dropped_findings(scan)
     if not stats.examples:

@@ -31,7 +31,11 @@ def check_source(source: str, filename: str = "<script>", setup_overrides: dict 
 
     `setup_overrides` (TrainSetup field -> value) and `model` (a catalog name) stand in for what the script does not
     say; findings quote estimates of the script's own setup with them."""
-    return _findings(index_source(source, filename, setup_overrides, model))
+    ix = index_source(source, filename, setup_overrides, model)
+    try:
+        return _findings(ix)
+    except RecursionError:
+        raise _unreadable(filename) from None
 
 
 def index_source(source: str, filename: str = "<script>", setup_overrides: dict | None = None,
@@ -40,9 +44,23 @@ def index_source(source: str, filename: str = "<script>", setup_overrides: dict 
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
-        raise ScriptError(f"{filename} is not a Python script: {exc.msg} at line {exc.lineno}; `fitune doctor "
+        where = f" at line {exc.lineno}" if exc.lineno else ""
+        raise ScriptError(f"{filename} is not a Python script: {exc.msg}{where}; `fitune doctor "
                           "SCRIPT` reads a training script (.py), `fitune doctor --data FILE` reads data") from exc
-    return ScriptIndex.build(tree, setup_overrides, model, gpu)
+    except ValueError as exc:  # CPython 3.11: "source code string cannot contain null bytes"
+        raise ScriptError(f"{filename} is not a Python script: {exc}; `fitune doctor SCRIPT` reads a training script "
+                          "(.py)") from None
+    except (RecursionError, MemoryError):  # CPython's parser on an expression nested thousands of levels deep
+        raise _unreadable(filename) from None
+    try:
+        return ScriptIndex.build(tree, setup_overrides, model, gpu)
+    except RecursionError:  # the syntax tree parsed but is too deep for the rules' recursive walk
+        raise _unreadable(filename) from None
+
+
+def _unreadable(filename: str) -> ScriptError:
+    return ScriptError(f"{filename}: fitune doctor cannot read this script: it nests too deeply (an expression "
+                       "thousands of levels deep, as generated code has); check the file, or split the expression")
 
 
 @dataclass(frozen=True)
@@ -67,10 +85,14 @@ def diagnose_script(path: str, gpu: "GpuSpec", setup_overrides: dict | None = No
     from .fixes import diagnose
 
     ix = index_source(read_script(path), path, setup_overrides, model, gpu.name)
-    script = ix.script_setup
-    estimated = script.model_id is not None or model is not None
-    diagnosis = diagnose(script, gpu) if estimated else None
-    return ScriptReport(path, _findings(ix), script if estimated else None, diagnosis)
+    try:
+        script = ix.script_setup
+        estimated = script.model_id is not None or model is not None
+        diagnosis = diagnose(script, gpu) if estimated else None
+        findings = _findings(ix)
+    except RecursionError:
+        raise _unreadable(path) from None
+    return ScriptReport(path, findings, script if estimated else None, diagnosis)
 
 
 def _findings(ix: ScriptIndex) -> list[Finding]:
@@ -82,11 +104,20 @@ def _findings(ix: ScriptIndex) -> list[Finding]:
     return sort_findings(_dedupe(findings))
 
 
+#: The largest script `fitune doctor` reads (bytes): training scripts are a few KiB; generated code may be large.
+MAX_SCRIPT_BYTES = 16 << 20
+
+
 def read_script(path: str) -> str:
     if not os.path.exists(path):
         raise ScriptError(f"{path}: no such file; pass the path of your training script, e.g. fitune doctor train.py")
     if os.path.isdir(path):
         raise ScriptError(f"{path} is a folder; pass one training script (.py)")
+    if not os.path.isfile(path):  # a pipe or a device: opening it could wait forever
+        raise ScriptError(f"{path} is not a regular file (a pipe or a device?); pass one training script (.py)")
+    if os.path.getsize(path) > MAX_SCRIPT_BYTES:
+        raise ScriptError(f"{path}: {os.path.getsize(path):,} bytes is too large for a training script (at most "
+                          f"{MAX_SCRIPT_BYTES:,}); pass the script, not its data")
     with open(path, "rb") as f:
         raw = f.read()
     try:

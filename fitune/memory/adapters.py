@@ -50,3 +50,28 @@ def trainable_param_bytes(m: ModelSpec, s: TrainSetup) -> int:
 def gradient_bytes(m: ModelSpec, s: TrainSetup) -> int:
     """One gradient per trainable parameter, in the parameter's dtype (PyTorch's .grad matches the param)."""
     return trainable_param_bytes(m, s)
+
+
+def trainable_tensor_shapes(m: ModelSpec, s: TrainSetup) -> list[tuple[int, ...]]:
+    """The shapes of the trainable parameter tensors of a full fine-tune or freeze (what a per-tensor optimizer
+    such as Adafactor sizes its state and its step's temporaries by): per decoder layer its Linears (out, in),
+    with mixture-of-experts layers the router (E, h) and the fused experts (E, 2i, h) and (E, h, i) of
+    transformers 5, and the norms (h,); for full also the embedding (vocab, h), an untied lm_head and the final
+    norm. Biases are left out (vectors, negligible)."""
+    h = m.hidden_size
+    norms = [(h,)] * m.norms_per_layer + ([(m.head_dim,)] * 2 if m.qk_norm else [])
+
+    def layer(moe: bool) -> list[tuple[int, ...]]:
+        out = [(lin.out_features, lin.in_features) for lin in m.linears(moe)] + norms
+        if moe:
+            i = m.moe_intermediate_size
+            out += [(m.num_experts, h), (m.num_experts, 2 * i, h), (m.num_experts, h, i)]
+        return out
+
+    kinds = [False] * m.dense_layers + [True] * m.moe_layers  # dense layers first: a simplification for freeze
+    if s.method == "freeze":
+        return [t for moe in kinds[-min(s.freeze_trainable_layers, m.num_layers):] for t in layer(moe)]
+    shapes = [(m.vocab_size, h)] + [t for moe in kinds for t in layer(moe)] + [(h,)]
+    if not m.tie_word_embeddings:
+        shapes.append((m.vocab_size, h))
+    return shapes

@@ -191,27 +191,38 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
 
 
 def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 2,
-                    expandable: bool = False) -> tuple[int, int]:
+                    expandable: bool = False, first_step_state: list[int] | None = None) -> tuple[int, int]:
     """Peak (reserved, allocated) bytes over `steps` repetitions of one step's tape.
 
     Two steps reach the steady state: the second starts with the blocks the first left cached (the same
     peaks as 3 steps on all 45 measured cases).
 
     `resident` lists the sizes of the tensors allocated before training (weights, adapters...), each in its own
-    request, as model loading does; optimizer states appear in the first step's tape and stay.
+    request, as model loading does. `first_step_state`: optimizer state tensors created lazily by the first
+    optimizer step (torch's AdamW `_init_group`, bitsandbytes' `init_state`), one request each, when the first
+    step's optimizer phase begins, and kept: they land in the blocks the backward left cached, which is what the
+    next step's activations then find fragmented (measured traces: bench/results/issue12/snaps/).
     """
     model = ExpandableAllocatorModel() if expandable else CachingAllocatorModel()
     for i, nbytes in enumerate(resident):
         model.malloc(-1 - i, nbytes)
     events = [(ev.tid, ev.nbytes) for ev in step_events if not ev.retag]
+    state_at = next((i for i, ev in enumerate(e for e in step_events if not e.retag) if ev.phase == "optimizer"),
+                    len(events))
     malloc, release = model.malloc, model.release
     for step in range(steps):
         offset = step * 10_000_000
-        for tid, nbytes in events:
+        for i, (tid, nbytes) in enumerate(events):
+            if step == 0 and i == state_at and first_step_state:
+                for j, n in enumerate(first_step_state):
+                    malloc(-10_000_000 - j, n)
             if nbytes > 0:
                 malloc(offset + tid, nbytes)
             else:
                 release(offset + tid)
+        if step == 0 and state_at >= len(events) and first_step_state:
+            for j, n in enumerate(first_step_state):
+                malloc(-10_000_000 - j, n)
         # tensors still live at the end of the step (none, once the step frees what it made) carry over
     return model.peak_reserved, model.peak_allocated
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
-from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, weights
+from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, parallel as parallel_terms, weights
 from ..units import GiB
 from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
@@ -57,12 +57,17 @@ class MemoryEstimate:
     trainable_params: int
     total_params: int
     host_bytes: int = 0
-    """Pinned CPU memory the plan needs (offloaded checkpoints)."""
+    """Pinned CPU memory the plan needs, per rank (offloaded checkpoints; ZeRO-Offload's parameters, gradients and
+    optimizer state)."""
     forward_saved_bytes: int = 0
     """What autograd keeps from the forward for backward (activations, log-probs, index tensors): the number
     `--engine trace` and the GPU bench's `saved_tensor_bytes` measure."""
     gpu: GpuSpec | None = None
+    """The GPU judged against; for a multi-GPU rank its budget is less what NCCL / DeepSpeed take outside the
+    allocator."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    """`host_bytes` by category (multi-GPU setups): offloaded_checkpoints, weights, gradients, optimizer_states."""
 
     @property
     def fits(self) -> bool | None:
@@ -136,6 +141,12 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         OPTIMIZER: state_bytes_allocator,
         WORKSPACES: workspace,
     }
+    # ---- one rank of a multi-GPU run (parallel.py): what the strategy divides, keeps on the host, adds ---------
+    layout = None
+    if parallel_terms.is_parallel(setup):
+        layout = parallel_terms.RankLayout.of(model, setup, weight_bytes, adapter_bytes, state_bytes_allocator,
+                                              trainable, trainable_bytes, w)
+        resident = {**resident, **layout.resident}
 
     # ---- the step, op by op ----------------------------------------------------------------------------
     tape = Tape()
@@ -155,12 +166,17 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         liger=setup.kernels == "liger",
     )
     step_start = len(tape.events)
+    rank = parallel_terms.RankStep(layout, ag, model.num_layers, setup.optimizer) if layout is not None else None
+    if rank:
+        rank.start_forward()
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
     labels = tape.alloc(8 * T, ACTIVATIONS, "shift_labels")
     cos_sin = tape.alloc(overheads.rope_cache_bytes(model, s, w), ACTIVATIONS, "rope cos/sin")
     mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
     x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
+    if rank:
+        rank.after_embedding()
     if setup.method == "full":
         # The embedding's backward (embedding_dense_backward) writes a vocab x hidden gradient at the very end of
         # backward: a new parameter gradient, or with tied weights a temporary summed into lm_head's .grad.
@@ -178,20 +194,26 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         c = ctx
         if freeze_from is not None and layer >= freeze_from:
             c = LayerContext(**{**ctx.__dict__, "trainable_base": True})
+        if rank:
+            rank.before_layer(layer)
         if layer < k_ckpt:
             y, offloaded = _checkpointed_layer(ag, c, x, layer in sliding, offload=mode == "offload")
             host_bytes += offloaded
         else:
             y = decoder_layer(ag, c, x, layer in sliding)
+        if rank:
+            rank.after_layer(layer)
         ag.drop(x)
         x = y
     gemma = model.model_type.startswith("gemma")
     from .layers import rms_norm  # local: keeps the import list above about composition
 
+    if rank:
+        rank.before_head()
     h = rms_norm(ag, ctx, x, model.hidden_size, "final_norm", gemma)
     ag.drop(x)
     if setup.loss == "chunked":
-        loss = loss_terms.chunked_loss(ag, model, h, T, w)
+        loss = loss_terms.chunked_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full")
     else:
         loss = loss_terms.hf_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full",
                                   keep_outputs=setup.keep_outputs)
@@ -201,26 +223,61 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     ag.drop(*ag.forward_end)  # the model output (logits, KV cache) is dropped once `.loss` is read
     tape.free(mask)
     # ---- backward --------------------------------------------------------------------------------------
+    if rank:
+        rank.start_backward()
     ag.seed_grad(loss, FP32, "grad:loss")
     ag.backward()
+    if rank:
+        rank.end_backward()
     ag.release_held()  # `out` is rebound by the next step's forward: gone before the optimizer step ends
     tape.free(cos_sin, ids, labels, loss.tid)
     if setup.grad_accum > 1:
         _next_micro_batch(tape, step_start)
     # ---- optimizer step --------------------------------------------------------------------------------
     tape.phase = OPTIMIZER_STEP
-    step_tmp = tape.alloc(opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes), TRANSIENTS, "optimizer step")
-    tape.free(step_tmp)
-    tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
+    if rank:
+        rank.optimizer_step()  # the rank's share of the step, then zero_grad
+    else:
+        largest, per = _largest_trainable(model, setup)
+        step_bytes = opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes, largest, per)
+        if setup.optimizer == "adafactor" and setup.method in ("full", "freeze"):
+            # one parameter at a time: its fp32 copies, freed before the next parameter's
+            copies = opt_terms.adafactor_step_transient_bytes(1, per) // 4
+            for n in _numels(adapters.trainable_tensor_shapes(model, setup)):
+                tape.free(*[tape.alloc(4 * n, TRANSIENTS, "optimizer step") for _ in range(copies)])
+            sizes = []
+        elif setup.optimizer == "adafactor" and largest:
+            # separate fp32 copies of one tensor (the allocator places each on its own)
+            sizes = [4 * largest] * (step_bytes // (4 * largest))
+        elif setup.optimizer == "adamw" and setup.method in ("full", "freeze"):
+            # the foreach step's temporaries (`torch._foreach_sqrt(exp_avg_sqs)`) are one tensor per parameter
+            sizes = [n * per for n in _numels(adapters.trainable_tensor_shapes(model, setup))]
+        else:
+            sizes = [step_bytes]
+        step_tmps = [tape.alloc(n, TRANSIENTS, "optimizer step") for n in sizes if n]
+        tape.free(*step_tmps)
+        tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
 
     forward_saved = _live_at_end_of_forward(tape.events, (ACTIVATIONS, LOGITS)) - FP32  # minus the loss scalar
     phases = replay(tape.events, resident)
     peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
     peak_alloc = phases[peak_phase].peak_bytes
-    reserved, _ = replay_reserved(_resident_blocks(model, setup, resident), tape.events, steps=allocator_steps,
-                                  expandable=setup.expandable_segments)
+    lazy_state = None
+    if layout is None and setup.method in ("full", "freeze") and resident.get(OPTIMIZER, 0):
+        # created by the first optimizer step, tensor by tensor, into what the backward left cached
+        per = weights.DTYPE_BYTES[setup.dtype]
+        lazy_state = [n for shape in adapters.trainable_tensor_shapes(model, setup)
+                      for n in opt_terms.state_tensor_bytes(setup.optimizer, shape, per)]
+        blocks = _resident_blocks(model, setup, {**resident, OPTIMIZER: 0})
+    elif layout is None:
+        blocks = _resident_blocks(model, setup, resident)
+    else:
+        blocks = _rank_blocks(_resident_blocks(model, setup, {**resident, OPTIMIZER: 0}), layout)
+    reserved, _ = replay_reserved(blocks, tape.events, steps=allocator_steps,
+                                  expandable=setup.expandable_segments, first_step_state=lazy_state)
     reserved = max(reserved, peak_alloc)
-    breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in CATEGORIES}
+    categories = CATEGORIES + (parallel_terms.PARALLEL_CATEGORIES if layout is not None else ())
+    breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in categories}
     breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
     if host_bytes:
         per_layer = host_bytes // max(1, k_ckpt)
@@ -232,11 +289,16 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     if setup.stack == "fitune":
         notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
                      "checkpointing when chosen")
+    host_breakdown: dict[str, int] = {}
+    if layout is not None:
+        gpu = _rank_gpu(gpu, layout, notes)
+        host_breakdown = {**({"offloaded_checkpoints": host_bytes} if host_bytes else {}), **layout.host}
+        host_bytes += sum(layout.host.values())
     return MemoryEstimate(
         model=model.name,
         setup=setup,
         breakdown=breakdown,
-        phases={p: PhaseEstimate(v.peak_bytes, {k: v.by_category.get(k, 0) for k in CATEGORIES}, v.at_label)
+        phases={p: PhaseEstimate(v.peak_bytes, {k: v.by_category.get(k, 0) for k in categories}, v.at_label)
                 for p, v in phases.items()},
         peak_phase=peak_phase,
         peak_allocated_bytes=peak_alloc,
@@ -248,7 +310,41 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         forward_saved_bytes=forward_saved,
         gpu=gpu,
         notes=tuple(notes),
+        host_breakdown=host_breakdown,
     )
+
+
+def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: list[str]) -> GpuSpec | None:
+    """One rank's budget: NCCL and DeepSpeed take device memory outside PyTorch's allocator (guesses until
+    measured, parallel.py), which the allocator cannot use."""
+    s = f"{layout.num_gpus} GPU{'s' if layout.num_gpus > 1 else ''}, {layout.strategy}"
+    notes.append(f"per GPU: one rank of {s}; multi-GPU estimates are not validated against measurements yet")
+    if layout.host:
+        notes.append(f"zero3_offload keeps {sum(layout.host.values()) / GiB:.2f} GiB per rank in pinned host memory "
+                     f"(x {layout.num_gpus} ranks on the host)")
+    outside = layout.outside_allocator_bytes
+    if gpu is None or not outside:
+        return gpu
+    notes.append(f"{outside / GiB:.2f} GiB assumed outside PyTorch's allocator for NCCL"
+                 + (" and DeepSpeed" if layout.strategy in parallel_terms.ZERO else "")
+                 + " (a guess until measured): the budget is that much smaller")
+    import dataclasses
+
+    return dataclasses.replace(gpu, allocator_budget_bytes=gpu.allocator_budget_bytes - outside)
+
+
+def _rank_blocks(blocks: list[int], layout: "parallel_terms.RankLayout") -> list[int]:
+    """The resident allocations of one rank: the model's tensors (`_resident_blocks`, in loading order; the two
+    cuBLAS workspaces last) divided as the strategy shards them, then the optimizer state (one flat block: ZeRO's
+    partition; FSDP's per-parameter shards taken together) and the strategy's own buffers."""
+    model_blocks, workspaces = blocks[:-2], blocks[-2:]
+    d = layout.weight_divisor
+    if d == 0:
+        model_blocks = []
+    elif d > 1:
+        model_blocks = [parallel_terms.sharded(b, d) for b in model_blocks]
+    state = [layout.resident[OPTIMIZER]] if layout.resident.get(OPTIMIZER) else []
+    return model_blocks + state + list(layout.extra_blocks) + workspaces
 
 
 def _next_micro_batch(tape: Tape, start: int) -> None:
@@ -259,10 +355,14 @@ def _next_micro_batch(tape: Tape, start: int) -> None:
     second one exactly, so one more is enough for the peak (the trace engine checks it: fitune/trace)."""
     window = tape.events[start:]
     offset = 1 << 40  # new tensor ids, apart from the first micro-batch's
+    summed = set()  # a multi-GPU rank frees gradients itself (parallel.py): summed ones are gone already
     for ev in window:
+        if ev.tid in summed:
+            continue
         tape.events.append(Event(ev.tid + offset, ev.nbytes, ev.category, ev.phase, ev.label, ev.retag))
         if ev.nbytes > 0 and not ev.retag and ev.category == GRADIENTS:
             tape.events.append(Event(ev.tid + offset, -ev.nbytes, ev.category, ev.phase, ev.label + " (summed into .grad)"))
+            summed.add(ev.tid)
 
 
 def _live_at_end_of_forward(events, categories) -> int:
@@ -294,8 +394,29 @@ def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes:
     n = adapters.trainable_param_count(model, setup)
     per = weights.DTYPE_BYTES[setup.dtype]
     if setup.optimizer == "adafactor":
-        return 4 * 2 * int(n ** 0.5) * max(1, model.num_layers)  # rows + columns: tiny next to the weights
+        return opt_terms.adafactor_state_bytes(adapters.trainable_tensor_shapes(model, setup))
     return opt_terms.optimizer_state_bytes(setup.optimizer, [n], per)
+
+
+def _largest_trainable(model: ModelSpec, setup: TrainSetup) -> tuple[int, int]:
+    """(elements of the largest trainable tensor, bytes per element): what a per-tensor optimizer step's
+    temporaries scale with."""
+    if setup.method in ("lora", "qlora"):
+        targets = adapters.lora_targets(model, setup)
+        sizes = [setup.lora_rank * max(lin.in_features, lin.out_features)
+                 for moe in (False, True) for lin in model.linears(moe) if lin.name in targets]
+        return max(sizes, default=0), adapters.LORA_PARAM_BYTES
+    return max(_numels(adapters.trainable_tensor_shapes(model, setup)), default=0), weights.DTYPE_BYTES[setup.dtype]
+
+
+def _numels(shapes: list[tuple[int, ...]]) -> list[int]:
+    out = []
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(n)
+    return out
 
 
 def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, int]) -> list[int]:

@@ -65,7 +65,8 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
     return loss
 
 
-def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS) -> Tensor:
+def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS,
+                 lm_head_trainable: bool = False) -> Tensor:
     """fitune's chunked linear + cross-entropy (fitune/runtime/techniques/chunked_loss.py).
 
     Forward: the gradient with respect to the hidden states is computed along with the loss and kept
@@ -73,18 +74,32 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
     (turned into the softmax gradient in place; Gemma's soft-cap keeps its tanh too), the cast back and the
     chunk's hidden-gradient product exist, then go. Backward: the kept gradient times the upstream scalar.
     Nothing of the size of the whole vocabulary x sequence is ever allocated.
+
+    `lm_head_trainable` (full fine-tuning): the head's gradient is accumulated in fp32 during the forward
+    (`torch.zeros_like(weight, dtype=float32)`, 4 x vocab x hidden bytes, kept for backward); each chunk adds
+    `(g.t() @ h).float()` (a model-dtype and an fp32 vocab x hidden temporary, after the chunk's fp32 logits are
+    freed); backward scales it (an fp32 temporary) and casts it into the parameter's gradient.
     """
-    V, w = model.vocab_size, act_bytes
+    V, w, H = model.vocab_size, act_bytes, model.hidden_size
     n = min(tokens, chunk_tokens)
-    grad_h = ag.new(w * model.hidden_size * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
+    grad_h = ag.new(w * H * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
+    grad_w = ag.new(FP32 * V * H, True, "chunked loss: d loss / d lm_head (fp32)", LOGITS) if lm_head_trainable else None
     chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)
     chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
     ag.drop(chunk_bf16)
     tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
     cast = ag.new(w * V * n, False, "chunk gradient cast", LOGITS)
-    part = ag.new(w * model.hidden_size * n, False, "chunk d hidden", LOGITS)
-    ag.drop(chunk_fp32, tanh, cast, part)
+    if lm_head_trainable:
+        ag.drop(chunk_fp32)  # `del grad` once cast: gone before the matmuls
+    part = ag.new(w * H * n, False, "chunk d hidden", LOGITS)
+    if lm_head_trainable:
+        gw_chunk = ag.new(w * V * H, False, "chunk d lm_head", LOGITS)
+        gw_chunk32 = ag.new(FP32 * V * H, False, "chunk d lm_head .float()", LOGITS)
+        ag.drop(gw_chunk, gw_chunk32)
+    ag.drop(None if lm_head_trainable else chunk_fp32, tanh, cast, part)
     loss = ag.new(FP32, True, "loss", LOGITS)
-    ag.record(loss, [h], [grad_h], [h.nbytes], label="chunked_loss")
-    ag.drop(grad_h)
+    ag.record(loss, [h], [grad_h] + ([grad_w] if grad_w is not None else []), [h.nbytes],
+              extra_bytes=FP32 * V * H if lm_head_trainable else 0,
+              param_grad_bytes=w * V * H if lm_head_trainable else 0, label="chunked_loss")
+    ag.drop(grad_h, grad_w)
     return loss

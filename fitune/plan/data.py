@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..data import load_tokenizer, read_records, tokenize_records
+from ..data.scan import counting
 from ..data.stats import percentile
 
 #: Sequence lengths are rounded up to a multiple of this (tensor-core friendly shapes).
@@ -96,7 +97,7 @@ def packing_pays(profile: DataProfile, seq_len_tokens: int, micro_batch: int) ->
     return 1 - padded.real_share / packed.real_share >= PACKING_MIN_GAIN
 
 
-def profile_data(path: str, tokenizer_dir: str) -> DataProfile:
+def profile_data(path: str, tokenizer_dir: str, progress=None) -> DataProfile:
     """Encode `path` as `fitune train` does, with the tokenizer in `tokenizer_dir`, and return the length of every
     record with something to train on, before truncation (choose_seq_len then counts what a length truncates).
 
@@ -104,6 +105,8 @@ def profile_data(path: str, tokenizer_dir: str) -> DataProfile:
         DataError (a FituneError): the file or tokenizer cannot be read, a record is bad (as training would stop on
             it), or no record has a token to train on.
     """
-    # no truncation here: the plan chooses the sequence length from the whole lengths
-    _, stats = tokenize_records(read_records(path), load_tokenizer(tokenizer_dir), None, NO_TRUNCATION_TOKENS)
+    # no truncation here: the plan chooses the sequence length from the whole lengths; `progress(done, total)` is
+    # told how far the encoding has come (the CLI's bar)
+    _, stats = tokenize_records(counting(read_records(path), progress), load_tokenizer(tokenizer_dir), None,
+                                NO_TRUNCATION_TOKENS)
     return DataProfile(path, stats.lengths_tokens, "fitune.data")

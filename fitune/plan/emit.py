@@ -49,12 +49,12 @@ def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | 
                  tokenizer: str | None = None) -> dict:
     """The `fitune train` config of `plan` as a mapping (TrainConfig.to_dict(), keys in reading order).
 
-    With --gpus N the config is the single-GPU equivalent (fitune train runs one GPU): the same micro-batch and
-    N times the accumulation, so the effective batch is unchanged.
+    The setup is the plan's, per GPU: `gpus:` and `strategy:` say how many GPUs and how they share the model
+    (batch_size x grad_accum x gpus is the effective batch).
     """
     from ..config import DataConfig, TrainConfig
 
-    s = plan.setup.replace(grad_accum=plan.setup.grad_accum * plan.num_gpus)
+    s = plan.setup
     model, _ = model_location(model_arg)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(os.path.normpath(model))) or "model"
     cfg = TrainConfig(model=model, setup=s, data=DataConfig(path=data_path or PLACEHOLDER_DATA),
@@ -67,7 +67,7 @@ def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | 
 def to_yaml(doc: dict, comments: list[str] = ()) -> str:
     """Block YAML for a flat mapping whose values are scalars, lists of scalars or one-level mappings."""
     # A comment is one line: a newline in what the user typed (a path) must not start a YAML key.
-    lines = [f"# {' '.join(str(c).splitlines())}" if c else "#" for c in comments]
+    lines = [f"# {one_line(str(c))}" if c else "#" for c in comments]
     for key, value in doc.items():
         if isinstance(value, dict):
             lines.append(f"{key}:")
@@ -95,7 +95,39 @@ def _yaml_value(v) -> str:
     text = str(v)
     plain = re.fullmatch(r"[A-Za-z_./][A-Za-z0-9_./-]*", text) and text.lower() not in (
         "true", "false", "yes", "no", "on", "off", "null", "~")
-    return text if plain else json.dumps(text)
+    return text if plain else yaml_quoted(text)
+
+
+def yaml_quoted(text: str) -> str:
+    """`text` as a YAML double-quoted scalar in plain ASCII: every character outside printable ASCII escaped
+    (\\xXX, \\uXXXX, \\UXXXXXXXX), so that any path - newlines, quotes, `: `, `#`, emoji, bytes a file name may
+    hold - reads back as itself and cannot end the value."""
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= o < 0x7F:
+            out.append(ch)
+        elif o <= 0xFF:
+            out.append(f"\\x{o:02x}")
+        elif o <= 0xFFFF:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(f"\\U{o:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def one_line(text: str) -> str:
+    """`text` for a comment (YAML or Python): one line, every non-printable character (newlines, NUL, a lone
+    surrogate from an undecodable file name) written as its escape, so that nothing after it becomes code."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def py_literal(text: str) -> str:
+    """`text` as a Python string literal: JSON's double-quoted form while it is ASCII (JSON's escapes mean the same in
+    Python), `repr` otherwise (JSON spells characters beyond U+FFFF as surrogate pairs, which Python does not join)."""
+    return json.dumps(text) if text.isascii() else repr(text)
 
 
 def plan_yaml(plan: Plan, req: PlanRequest, model_arg: str, command: str, data_path: str | None = None,
@@ -112,9 +144,9 @@ def plan_yaml(plan: Plan, req: PlanRequest, model_arg: str, command: str, data_p
         f"reserved of {plan.budget_bytes / GiB:.2f} GiB on {req.gpu.name}; predicted {plan.trained_tokens_per_s:,.0f} "
         "tokens/s",
     ]
-    if plan.num_gpus > 1:
-        comments.append(f"--gpus {plan.num_gpus}: fitune train runs one GPU, so this is the same effective batch on one "
-                        f"(grad_accum x {plan.num_gpus}); for data parallel use --emit hf with torchrun")
+    if plan.setup.num_gpus > 1 or plan.setup.strategy != "ddp":
+        comments.append(f"gpus: {plan.setup.num_gpus}, strategy: {plan.setup.strategy}: batch_size and grad_accum are per "
+                        "GPU; unvalidated (the multi-GPU numbers are modelled, not measured)")
     if not is_folder:
         comments.append(f"model: {model_arg} is a catalog name; fitune train loads pretrained weights from a folder: "
                         "download the model and set `model:` to it (or add `init: random` and `tokenizer:` for a "
@@ -138,7 +170,7 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     if s.method in ("lora", "qlora"):
         imports.append("from peft import LoraConfig, get_peft_model")
     load = ["model = AutoModelForCausalLM.from_pretrained(",
-            f"    {json.dumps(model_ref)},",
+            f"    {py_literal(model_ref)},",
             f"    dtype={dtype},",
             f"    attn_implementation={json.dumps(HF_ATTN[s.attn])},"]
     if s.method == "qlora":
@@ -152,9 +184,15 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
             f"# estimate: {plan.peak_allocated_bytes / GiB:.2f} GiB allocated, {plan.peak_reserved_bytes / GiB:.2f} GiB "
             f"reserved of {plan.budget_bytes / GiB:.2f} GiB ({req.gpu.name}); predicted "
             f"{plan.trained_tokens_per_s:,.0f} tokens/s"]
-    if plan.num_gpus > 1:
+    if plan.num_gpus > 1 and s.strategy == "ddp":
         body.append(f"# data parallel: torchrun --nproc_per_node {plan.num_gpus} this_script.py "
                     "(each GPU holds a full copy)")
+    elif s.strategy != "ddp":
+        body.append(f"# {s.strategy} on {plan.num_gpus} GPU(s): the estimate assumes "
+                    + ("FSDP2 (fully_shard per decoder layer)" if s.strategy == "fsdp" else
+                       f"DeepSpeed ZeRO-{3 if s.strategy.startswith('zero3') else 2} with its default buckets"
+                       + (" and offload_param / offload_optimizer to the CPU" if s.strategy == "zero3_offload" else ""))
+                    + "; set it up in TrainingArguments (fsdp= or deepspeed=) and launch with torchrun / accelerate")
     if plan.requires:
         body.append(f"# needs: {', '.join(plan.requires)}")
     techniques = _fitune_techniques(s)
@@ -171,9 +209,9 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     if s.kernels == "liger":
         body.append("enable_liger_kernels(model)  # Liger's fused RMSNorm, SwiGLU and RoPE, before LoRA wraps the model")
     if s.method in ("lora", "qlora"):
-        targets = "all-linear" if s.all_linear else list(s.lora_targets)
+        targets = py_literal("all-linear") if s.all_linear else "[" + ", ".join(map(py_literal, s.lora_targets)) + "]"
         body += ["model = get_peft_model(model, LoraConfig(",
-                 f"    r={s.lora_rank}, lora_alpha={s.lora_alpha}, target_modules={json.dumps(targets)}, lora_dropout=0.0,",
+                 f"    r={s.lora_rank}, lora_alpha={s.lora_alpha}, target_modules={targets}, lora_dropout=0.0,",
                  '    task_type="CAUSAL_LM",',
                  "))"]
     elif s.method == "freeze":
@@ -196,9 +234,9 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                  "        return (loss, None) if return_outputs else loss",
                  ""]
     body += ["",
-             f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(model_ref)})",
+             f"tokenizer = AutoTokenizer.from_pretrained({py_literal(model_ref)})",
              f"# train_dataset: tokenized examples (input_ids, labels) of at most {s.seq_len_tokens} tokens"
-             + (f", from {data_path}" if data_path else "")
+             + (f", from {py_literal(data_path)}" if data_path else "")
              + ("; packed into rows of that length (e.g. TRL SFTConfig(packing=True))" if plan.packing else ""),
              "train_dataset = ...",
              "",
@@ -222,7 +260,8 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
              "train_dataset=train_dataset)",
              "trainer.train()",
              ""]
-    return "\n".join(body)
+    # Comments quote what the user typed (the GPU, the data path): each stays one line, whatever it holds.
+    return "\n".join(one_line(line) if line.lstrip().startswith("#") else line for line in body)
 
 
 

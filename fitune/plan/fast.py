@@ -148,7 +148,7 @@ class FastEstimator:
         breakdown = {k: ext(e0.breakdown.get(k, 0), e1.breakdown.get(k, 0)) for k in e1.breakdown}
         breakdown["allocator_overhead"] = overhead
         out = FastEstimate(setup, allocated, allocated + overhead, breakdown, e1.peak_phase,
-                           ext(e0.host_bytes, e1.host_bytes), self._budget())
+                           ext(e0.host_bytes, e1.host_bytes), self._budget(e1))
         self._cache[setup] = out
         return out
 
@@ -160,10 +160,11 @@ class FastEstimator:
         self.full_calls += 1
         e = estimate(self.model, setup, self.gpu)
         out = FastEstimate(setup, e.peak_allocated_bytes, e.peak_reserved_bytes, dict(e.breakdown), e.peak_phase,
-                           e.host_bytes, self._budget(), exact=True)
+                           e.host_bytes, self._budget(e), exact=True)
         self._cache[setup] = out
         return out
 
-    def _budget(self) -> int | None:
-        return None if self.gpu is None else self.gpu.allocator_budget_bytes
+    def _budget(self, e) -> int | None:
+        """The estimate's budget: a multi-GPU rank's is smaller by what NCCL takes outside the allocator."""
+        return None if e.gpu is None else e.gpu.allocator_budget_bytes
 

@@ -2,8 +2,10 @@
 
 The space: method (from the request) x micro-batch (every divisor of the per-GPU batch, the rest as gradient
 accumulation: the effective batch never changes) x activation checkpointing (none | full: what fitune's runner
-runs) x attention x loss (transformers' or the chunked one) x optimizer; packing is decided from the data. LoRA rank and targets are the user's and never
-change.
+runs) x attention x loss (transformers' or the chunked one) x optimizer; with --gpus N also strategy (ddp | fsdp | zero2 |
+zero3 | zero3_offload) x GPU count (the divisors of N that split the batch; `parallel_options`), memory per GPU
+(fitune/memory/parallel.py) and communication in the speed (throughput.py); packing is decided from the data.
+LoRA rank and targets are the user's and never change.
 
 How it stays fast (an 8B model answers in well under a second):
 1. every setup's speed is predicted first (throughput.py: arithmetic only), and setups are visited fastest first;
@@ -27,12 +29,15 @@ Pure Python, no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..memory import weights as weight_terms
 from ..setup import DEFAULT_SETUP, TrainSetup
+from .measured import unmeasured_reasons
 from ..specs.gpu import GpuSpec, catalog_gpu_names, resolve_gpu
 from ..specs.model import ModelSpec
 from ..units import GiB
@@ -56,7 +61,8 @@ RUNNABLE_LOSSES = ("hf", "chunked")
 #: byte code at run time; these are the catalog's families that pass).
 LEAN_NORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _LOSS_MEMORY = {"chunked": 0, "hf": 1}
-DEFAULT_METHODS = ("lora", "qlora")
+DEFAULT_METHODS = ("lora",)
+"""The method a plan keeps unless the user allows others (`--method lora,qlora`): the first one named is theirs."""
 DEFAULT_ATTNS = ("sdpa", "eager")
 #: Handicap on the predicted speed per non-default choice (eager attention): the model cannot resolve 1 %.
 SPEED_TIE = 0.01
@@ -153,6 +159,15 @@ class Plan:
     requires: tuple[str, ...]
     exact: bool = True
     """The memory numbers are the full estimate's (always, for returned plans)."""
+    unvalidated_reasons: tuple[str, ...] = ()
+    """Why the plan's numbers have not been checked against a measurement (several GPUs, a sharding strategy);
+    empty when they rest on measured ground."""
+    tight: bool = False
+    """The reserved peak is within 5 % of the budget (as `fitune estimate` marks it): run-to-run fragmentation
+    decides whether it fits."""
+    method_change: str = ""
+    """When the plan trains with another method than the one asked for (the first of --method): what that costs
+    and what it buys. Empty otherwise."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -217,10 +232,63 @@ class _Group:
     score: float = 0.0
     optimizer: str | None = None
     estimate: FastEstimate | None = None
+    gpus: int = 0
+    """GPUs the setup runs on (0: the request's --gpus)."""
+    strategy: str = "ddp"
 
 
-def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
-    """Search the request's space; return the ranked plans that fit and the lines that explain the rest."""
+#: How the GPUs share the model, in the order the search prefers them when the predicted speeds tie
+#: (TrainSetup.strategy; fitune/memory/parallel.py models each).
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
+
+
+def parallel_options(req: PlanRequest, method: str) -> list[tuple[int, str]]:
+    """(GPU count, strategy) pairs to search for `method`: one GPU as it is, and every strategy on each count that
+    divides --gpus and the batch, up to --gpus. QLoRA's 4-bit weights are not offloaded by ZeRO (left out)."""
+    if req.num_gpus == 1:
+        return [(1, "ddp")]
+    counts = [n for n in range(2, req.num_gpus + 1) if req.num_gpus % n == 0 and req.batch_size % n == 0]
+    strategies = [s for s in STRATEGIES if not (method == "qlora" and s == "zero3_offload")]
+    return [(1, "ddp")] + [(n, s) for n in counts for s in strategies]
+
+
+#: The largest micro-batch and gradient accumulation a plan proposes: TrainSetup's own bounds on batch_size and
+#: grad_accum, so that every plan is a config `fitune train` accepts.
+MAX_MICRO_BATCH = 65536
+MAX_GRAD_ACCUM = 1 << 20
+#: A batch with more divisors than this (720,720 has 240) is searched over the largest divisor in each power-of-two
+#: range [2^k, 2^(k+1)) instead: at most 17 micro-batches, so the search's cost never grows with the batch.
+MAX_MICRO_CANDIDATES = 24
+
+
+def micro_batch_candidates(per_gpu_batch: int) -> list[int]:
+    """The micro-batches searched for a per-GPU batch: its divisors m (the rest, batch / m, is accumulation) with
+    m <= MAX_MICRO_BATCH and batch / m <= MAX_GRAD_ACCUM, ascending; thinned to one per power-of-two range when
+    there are more than MAX_MICRO_CANDIDATES. Trial division over at most MAX_MICRO_BATCH numbers: the work is
+    bounded by constants, never by the batch the user typed (`--batch-size 1000000000`)."""
+    divisors = [m for m in range(1, min(per_gpu_batch, MAX_MICRO_BATCH) + 1)
+                if per_gpu_batch % m == 0 and per_gpu_batch // m <= MAX_GRAD_ACCUM]
+    if len(divisors) <= MAX_MICRO_CANDIDATES:
+        return divisors
+    largest_per_range = {m.bit_length(): m for m in divisors}  # ascending: the last one of each range stays
+    return sorted(largest_per_range.values())
+
+
+def unvalidated_reasons(s: TrainSetup) -> list[str]:
+    """What no measurement backs in a setup's numbers (multi-GPU memory and communication)."""
+    out = []
+    if s.num_gpus > 1:
+        out.append(f"{s.num_gpus} GPUs: per-rank memory and communication time are modelled, not measured on "
+                   "several GPUs")
+    if s.strategy != "ddp":
+        out.append(f"strategy {s.strategy}: its buffers and sharding are modelled from the FSDP / DeepSpeed docs, "
+                   "not measured")
+    return out
+
+
+def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> PlanResult:
+    """Search the request's space; return the ranked plans that fit and the lines that explain the rest.
+    `progress(done, total)`, when given, is called as the setups are visited (the CLI's progress bar)."""
     req.validate()
     fast = fast or FastEstimator(req.model, req.gpu)
     budget = req.gpu.allocator_budget_bytes
@@ -234,20 +302,22 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
             rejected.append(r)
 
     groups = []
-    micros = [m for m in range(1, req.per_gpu_batch + 1) if req.per_gpu_batch % m == 0]
-    for method, micro, ckpt, attn, loss in itertools.product(methods, micros, RUNNABLE_CHECKPOINTING, req.attns,
-                                                             req.losses):
-        if ckpt == "offload" and req.host_ram_bytes is not None \
-                and _offload_host_bytes(req, micro) > req.host_ram_bytes:
-            continue  # the offloaded checkpoints would not fit in the host memory given
-        g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss)
-        g.score = _tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1] * (1 - SPEED_TIE * _nondefault(g))
-        groups.append(g)
+    for method in methods:
+        for gpus, strategy in parallel_options(req, method):
+            per_gpu = req.batch_size // gpus
+            micros = micro_batch_candidates(per_gpu)
+            for micro, ckpt, attn, loss in itertools.product(micros, RUNNABLE_CHECKPOINTING, req.attns, req.losses):
+                if ckpt == "offload" and req.host_ram_bytes is not None \
+                        and _offload_host_bytes(req, micro) > req.host_ram_bytes:
+                    continue  # the offloaded checkpoints would not fit in the host memory given
+                g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy)
+                g.score = _tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1] * (1 - SPEED_TIE * _nondefault(g))
+                groups.append(g)
     groups.sort(key=lambda g: -g.score)
 
     accepted: list[_Group] = []
     infeasible: list[_Group] = []
-    for g in groups:
+    for g in _reported(groups, progress):
         if g.loss == "chunked" and any(_same_but_loss(g, p) and p.estimate is not None
                                        and p.estimate.peak_reserved_bytes < 0.95 * budget for p in accepted):
             continue  # the plain loss already fits here with room to spare, and chunking is never faster
@@ -261,6 +331,7 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
             infeasible.append(g)
 
     plans, with_retries = _confirm(req, fast, accepted)
+    plans = _marked(req, plans)
     if plans:
         rejected += _why_not_faster(plans[-1], infeasible, with_retries)
     fitting = {p.setup.method for p in plans} | {g.method for g in accepted}
@@ -274,15 +345,26 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None) -> PlanResult:
                       estimated_full=fast.full_calls, notes=tuple(_notes(req, plans)))
 
 
+def _reported(items: list, progress) -> Iterator:
+    """`items` one by one, calling `progress(done, total)` before each and once at the end."""
+    for done, item in enumerate(items):
+        if progress is not None:
+            progress(done, len(items))
+        yield item
+    if progress is not None:
+        progress(len(items), len(items))
+
+
 def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup:
     s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_dropout=req.lora_dropout,
                    lora_targets=req.lora_targets,
                    dtype=req.dtype, grad_checkpointing=g.ckpt, attn=g.attn, optimizer=optimizer, batch_size=g.micro,
-                   seq_len_tokens=req.seq_len_tokens, grad_accum=req.per_gpu_batch // g.micro,
+                   seq_len_tokens=req.seq_len_tokens, grad_accum=req.batch_size // (g.gpus or req.num_gpus) // g.micro,
                    freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss,
                    lean_lora=g.method in ("lora", "qlora"), kernels=req.kernels,
                    lean_norm=req.kernels == "torch" and req.model.model_type in LEAN_NORM_MODEL_TYPES,
-                   expandable_segments=True, tiled_mlp=g.ckpt == "offload")
+                   expandable_segments=True, tiled_mlp=g.ckpt == "offload", num_gpus=g.gpus or req.num_gpus,
+                   strategy=g.strategy)
     return s.replace(**changes) if changes else s
 
 
@@ -300,22 +382,25 @@ def _tokens_per_s(req: PlanRequest, setup: TrainSetup, packing: bool) -> tuple[t
     """(prediction, token positions/s over all GPUs, trained tokens/s over all GPUs)."""
     if req.data is None:
         p = throughput.predict(req.model, setup, req.gpu)
-        return p, p.tokens_per_s * req.num_gpus, p.tokens_per_s * req.num_gpus
+        return p, p.tokens_per_s * setup.num_gpus, p.tokens_per_s * setup.num_gpus
     fill = batching(req.data, setup.seq_len_tokens, setup.batch_size, packing)
     p = throughput.predict(req.model, setup.replace(seq_len_tokens=fill.slot_len_tokens), req.gpu)
-    return p, p.tokens_per_s * req.num_gpus, p.tokens_per_s * fill.real_share * req.num_gpus
+    return p, p.tokens_per_s * setup.num_gpus, p.tokens_per_s * fill.real_share * setup.num_gpus
 
 
 def _nondefault(g: _Group) -> int:
-    return int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload")
+    return int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload") + int(g.strategy != "ddp")
 
 
 def _same_but_loss(a: _Group, b: _Group) -> bool:
-    return (a.method, a.micro, a.ckpt, a.attn, a.packing) == (b.method, b.micro, b.ckpt, b.attn, b.packing)
+    return (a.method, a.micro, a.ckpt, a.attn, a.packing, a.gpus, a.strategy) == \
+        (b.method, b.micro, b.ckpt, b.attn, b.packing, b.gpus, b.strategy)
 
 
 def _heavier_or_equal(a: _Group, b: _Group) -> bool:
     """`a` needs at least the memory of `b` on every axis (the estimator's memory is monotone along each)."""
+    if not _parallel_heavier_or_equal(a, b):
+        return False
     if a.method != b.method and not (a.method in _METHOD_MEMORY and b.method in _METHOD_MEMORY
                                      and _METHOD_MEMORY[a.method] >= _METHOD_MEMORY[b.method]):
         return False
@@ -324,6 +409,16 @@ def _heavier_or_equal(a: _Group, b: _Group) -> bool:
         return False
     return (a.micro >= b.micro and _CKPT_MEMORY[a.ckpt] >= _CKPT_MEMORY[b.ckpt]
             and _LOSS_MEMORY[a.loss] >= _LOSS_MEMORY[b.loss])
+
+
+def _parallel_heavier_or_equal(a: _Group, b: _Group) -> bool:
+    """On the GPUs axis, with the same strategy: DDP's memory is the same on every count above one (and least on
+    one, without buckets); a sharding strategy's falls as GPUs are added. Different strategies are not ordered."""
+    if a.strategy != b.strategy:
+        return False
+    if a.strategy == "ddp":
+        return a.gpus == b.gpus or b.gpus == 1 or (a.gpus > 1 and b.gpus > 1)
+    return a.gpus <= b.gpus
 
 
 def _choose_optimizer(req: PlanRequest, fast: FastEstimator, g: _Group, budget: int) -> bool:
@@ -382,6 +477,50 @@ def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> t
     return shown, [p for p in found if p not in shown and p.retries_expected]
 
 
+TIGHT_PENALTY = 0.03
+"""Ranking handicap of a plan whose reserved peak is within 5 % of the budget (a fit that fragmentation decides):
+more than the model's tie margin, less than the differences it is sure of."""
+
+#: What training with another method than the one asked for costs, beyond memory and speed (its quality side).
+METHOD_COSTS = {
+    "qlora": "the frozen base weights are rounded to 4-bit NF4: the QLoRA paper (Dettmers et al. 2023, "
+             "arXiv:2305.14314) matched 16-bit LoRA on its benchmarks, but the rounding error is real and differs by "
+             "model; the adapter trains against the rounded model",
+    "lora": "the base weights stay frozen and only rank-r adapters learn: less capacity for large changes than "
+            "training every weight",
+    "freeze": "only the last layers learn; the others keep what they knew, and the layers that learn are fewer "
+              "than LoRA's adapters reach",
+    "full": "every weight changes: the most capacity, and the most forgetting of what the model knew; the saved "
+            "result is a whole model, not an adapter",
+}
+
+
+def _marked(req: PlanRequest, plans: list[Plan]) -> list[Plan]:
+    """Each plan with its `tight` mark and, when its method is not the one asked for, what the change costs and
+    what it buys (against the best plan of the asked method, or: it fits where that one does not)."""
+    asked = req.methods[0] if req.methods else "lora"
+    own = next((p for p in plans if p.setup.method == asked), None)
+    out = []
+    for p in plans:
+        tight = abs(p.headroom_bytes) < 0.05 * p.budget_bytes or p.retries_expected
+        change = ""
+        if p.setup.method != asked and asked in METHOD_LABELS:
+            if own is None:
+                buys = f"it fits where {METHOD_LABELS[asked]} does not"
+            else:
+                ratio = p.trained_tokens_per_s / own.trained_tokens_per_s if own.trained_tokens_per_s else 0.0
+                saved = own.peak_reserved_bytes - p.peak_reserved_bytes
+                buys = (f"{ratio:.2f}x the predicted speed of the best {METHOD_LABELS[asked]} plan, "
+                        f"{abs(saved) / 2**30:.2f} GiB {'less' if saved >= 0 else 'more'} reserved memory")
+            change = (f"{METHOD_LABELS[p.setup.method]} instead of {METHOD_LABELS[asked]}: buys {buys}; costs: "
+                      f"{METHOD_COSTS.get(p.setup.method, 'a different training method')}")
+        out.append(dataclasses.replace(p, tight=bool(tight), method_change=change))
+    # a tight plan ranks as if TIGHT_PENALTY slower: at equal predicted speed the one with room wins
+    out.sort(key=lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY,
+                            -p.trained_tokens_per_s * (1 - TIGHT_PENALTY * p.tight)))
+    return out
+
+
 def _lighter_optimizer_without_retries(req, fast, g: _Group, e: FastEstimate) -> FastEstimate | None:
     """A later optimizer of the preference list whose smaller state removes the overshoot of the reserved peak."""
     overshoot = e.peak_reserved_bytes - e.budget_bytes
@@ -399,11 +538,12 @@ def _lighter_optimizer_without_retries(req, fast, g: _Group, e: FastEstimate) ->
 def _make_plan(req: PlanRequest, g: _Group, e: FastEstimate) -> Plan:
     s = e.setup
     pred, tps, trained = _tokens_per_s(req, s, g.packing)
-    return Plan(setup=s, packing=g.packing, num_gpus=req.num_gpus, peak_allocated_bytes=e.peak_allocated_bytes,
+    return Plan(setup=s, packing=g.packing, num_gpus=s.num_gpus, peak_allocated_bytes=e.peak_allocated_bytes,
                 peak_reserved_bytes=e.peak_reserved_bytes, budget_bytes=e.budget_bytes,
                 retries_expected=bool(e.retries_expected), breakdown=dict(e.breakdown), step_time_s=pred.step_time_s,
                 tokens_per_s=tps, trained_tokens_per_s=trained, turns_on=tuple(_turns_on(req, s, g.packing)),
-                requires=tuple(requirements(s)), exact=e.exact)
+                requires=tuple(requirements(s)), exact=e.exact,
+                unvalidated_reasons=tuple(unvalidated_reasons(s) + unmeasured_reasons(s, req.model.model_type)))
 
 
 def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
@@ -439,9 +579,19 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
                     "sgd": "SGD without momentum (no state; changes the update)"}[s.optimizer])
     if packing:
         out.append("packing (short examples share rows)")
-    if req.num_gpus > 1:
-        out.append(f"data parallel over {req.num_gpus} GPUs (a full copy on each)")
+    if s.num_gpus > 1 or s.strategy != "ddp":
+        out.append(STRATEGY_LABELS[s.strategy].format(n=s.num_gpus))
     return out
+
+
+#: What each strategy turns on, for `turns_on` ({n}: the GPU count).
+STRATEGY_LABELS = {
+    "ddp": "data parallel over {n} GPUs (DDP: a full copy on each, gradients all-reduced)",
+    "fsdp": "FSDP2 over {n} GPUs (parameters, gradients and optimizer state sharded per decoder layer)",
+    "zero2": "DeepSpeed ZeRO-2 over {n} GPUs (gradients and optimizer state sharded)",
+    "zero3": "DeepSpeed ZeRO-3 over {n} GPUs (parameters, gradients and optimizer state sharded)",
+    "zero3_offload": "DeepSpeed ZeRO-3 over {n} GPUs with parameters and optimizer state in CPU memory",
+}
 
 
 def requirements(s: TrainSetup) -> list[str]:
@@ -482,11 +632,14 @@ def _judge(fast: FastEstimator, s: TrainSetup) -> FastEstimate:
 
 
 def describe(s: TrainSetup) -> str:
-    """'LoRA, micro-batch 1 x 2 accumulation, checkpointing full, sdpa, adamw' (the axes the search varies)."""
+    """'LoRA, micro-batch 1 x 2 accumulation, checkpointing full, sdpa, adamw[, fsdp on 8 GPUs]' (the axes the
+    search varies)."""
     batch = f"micro-batch {s.batch_size}" + (f" x {s.grad_accum} accumulation" if s.grad_accum > 1 else "")
     method = METHOD_LABELS[s.method] + (f" (the last {s.freeze_trainable_layers} layers train)" if s.method == "freeze" else "")
     loss = ", chunked loss" if s.loss == "chunked" else ""
-    return f"{method}, {batch}, checkpointing {s.grad_checkpointing}, {s.attn}{loss}, {s.optimizer}"
+    gpus = f", {s.strategy} on {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}" \
+        if s.num_gpus > 1 or s.strategy != "ddp" else ""
+    return f"{method}, {batch}, checkpointing {s.grad_checkpointing}, {s.attn}{loss}, {s.optimizer}{gpus}"
 
 
 def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Plan]) -> list[Rejection]:
@@ -607,8 +760,8 @@ def _sharding_change(req: PlanRequest, minimum: FastEstimate) -> Change:
                       f"({_fmt(rest)}) is over the budget alone", minimum.peak_allocated_bytes, False, False, False)
     n = max(2, -(-sharded // (budget - rest)))
     return Change(f"{n} GPUs with sharding (FSDP / ZeRO-3)",
-                  f"rough: weights, gradients and optimizer states split {n} ways; not modelled by the estimator and "
-                  "not run by fitune train (data parallel, --gpus, keeps a full copy per GPU and does not help)",
+                  f"rough: weights, gradients and optimizer states split {n} ways, before the gathered layers and "
+                  f"buffers; `fitune plan --gpus {n}` searches FSDP and ZeRO with the per-GPU estimate (unvalidated)",
                   rest + sharded // n, True, False, False)
 
 
@@ -623,8 +776,9 @@ def _notes(req: PlanRequest, plans: list[Plan]) -> list[str]:
         f"with an H200's rates: {req.gpu.name} names no catalog GPU, so compare plans with each other, not with a clock")
     notes.append(f"tokens/s: a model calibrated on 45 measured H200 steps (median error {MEDIAN_ABS_ERROR:.0%}), {where}")
     if req.num_gpus > 1:
-        notes.append(f"--gpus {req.num_gpus}: data parallel, each GPU holds a full copy and takes {req.per_gpu_batch} of the "
-                     f"{req.batch_size} sequences per step; ZeRO/FSDP sharding and the gradient all-reduce are not modelled")
+        notes.append(f"--gpus {req.num_gpus}: searched DDP, FSDP and ZeRO-2/3 (and ZeRO-3 offload) on up to {req.num_gpus} "
+                     f"GPUs; the batch of {req.batch_size} is split over the GPUs; memory is per GPU; communication is "
+                     "modelled on the GPU's link (an assumption: fitune estimate --list-gpus), not measured")
     if any("bitsandbytes + a CUDA GPU" in p.requires for p in plans):
         notes.append("QLoRA and 8-bit optimizers need bitsandbytes and a CUDA GPU")
     return notes

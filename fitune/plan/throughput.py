@@ -24,8 +24,12 @@ Other GPUs: the FLOP terms scale with the GPU's dense bf16 (or fp16) peak, the b
 bandwidth, the launch term not at all. That is an assumption (consumer cards and older generations reach a
 different fraction of their peak than an H200); `fitune plan` says so next to every prediction.
 
-Not modelled: communication between GPUs (data parallel all-reduce of gradients), the data loader, the first
-step's compilation and allocator warm-up. The optimizer step is physical bytes over bandwidth, uncalibrated (the
+Several GPUs (TrainSetup.num_gpus, .strategy): each rank runs the model above on its own micro-batches, plus the
+communication of its strategy (`communication_bytes`: ring collectives over the GPU's link, `link_gb_s` in the GPU
+catalog, an assumption until measured) of which only the part that outlasts the compute it overlaps counts
+(`communication_s`). Not calibrated: no multi-GPU step has been measured.
+
+Not modelled: the data loader, the first step's compilation and allocator warm-up. The optimizer step is physical bytes over bandwidth, uncalibrated (the
 45 measured runs are LoRA/QLoRA, whose optimizer step is negligible).
 
 Pure Python; no torch import.
@@ -56,6 +60,16 @@ TERMS = ("linear", "attention", "launches", "checkpointed_layers", "activations"
 #: A, B, scale, add). A structural guess; the fitted `c_launch` scales it.
 KERNELS_PER_LAYER = 20
 KERNELS_PER_LORA_TARGET = 4
+
+#: The share of a micro-batch's compute spent in backward: 2 of the 3 forward-equivalents of a training step
+#: (Kaplan et al. 2020, C ~ 6N per token: 2N forward, 4N backward). DDP's all-reduce can hide behind it.
+BACKWARD_SHARE = 2 / 3
+#: Link assumed for a GPU the catalog does not name (`--gpu 24GiB`): PCIe 4.0 x16, GB/s each way.
+DEFAULT_LINK_GB_S = 25.0
+#: ZeRO-Offload's CPU Adam: trainable parameters one rank updates per second on its share of the host's cores.
+#: A GUESS (ZeRO-Offload, arXiv:2101.06840, section 4.2 reports CPU-Adam several times faster than PyTorch's CPU
+#: Adam, about a second for a billion parameters on a server CPU).
+HOST_ADAM_PARAMS_PER_S = 1.0e9
 
 @dataclass(frozen=True)
 class StepTerms:
@@ -99,6 +113,9 @@ class SpeedPrediction:
     terms_s: dict[str, float]
     """Seconds of each term in one micro-batch (the breakdown of `micro_batch_time_s`)."""
     optimizer_s: float
+    communication_s: float = 0.0
+    """Seconds per step spent in communication that compute does not hide (several GPUs, or ZeRO-Offload's
+    host transfers); part of `step_time_s`."""
 
 
 # ---- what one micro-batch costs ------------------------------------------------------------------------------
@@ -226,14 +243,114 @@ def term_seconds(terms: StepTerms, rates: Rates, coefficients: dict[str, float])
 
 def predict(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None,
             coefficients: dict[str, float] | None = None) -> SpeedPrediction:
-    """Predicted step time and tokens/s of `setup` (micro-batch `batch_size`, `grad_accum` of them) on one GPU."""
+    """Predicted step time and tokens/s of `setup` (micro-batch `batch_size`, `grad_accum` of them) on one GPU
+    (one rank of `setup.num_gpus`: the tokens/s of all of them is N times this)."""
     rates = gpu_rates(gpu)
     secs = term_seconds(step_terms(model, setup), rates, coefficients or load_coefficients())
     micro = sum(secs.values())
     opt = optimizer_step_bytes(model, setup) / rates.bandwidth_bytes_s
-    step = setup.grad_accum * micro + opt
+    comm = 0.0
+    if setup.num_gpus > 1 or setup.strategy != "ddp":
+        if setup.strategy == "zero3_offload":
+            opt = 0.0  # the CPU steps (in `communication_s`)
+        elif setup.strategy != "ddp":
+            opt /= setup.num_gpus  # each rank updates its shard
+        comm = communication_s(model, setup, gpu, micro)
+    step = setup.grad_accum * micro + opt + comm
     tokens = setup.grad_accum * setup.batch_size * setup.seq_len_tokens
-    return SpeedPrediction(step, micro, tokens, tokens / step, secs, opt)
+    return SpeedPrediction(step, micro, tokens, tokens / step, secs, opt, comm)
+
+
+# ---- communication between GPUs ------------------------------------------------------------------------------
+
+
+def ring_all_reduce_bytes(nbytes: float, num_gpus: int) -> float:
+    """Bytes each GPU sends in a ring all-reduce of `nbytes`: 2 (N - 1) / N x bytes (NCCL's bus-bandwidth factor,
+    nccl-tests doc/PERFORMANCE.md; the ZeRO paper's 2 Psi per step of data parallelism, section 7.1)."""
+    return 2 * (num_gpus - 1) / num_gpus * nbytes
+
+
+def ring_all_gather_bytes(nbytes: float, num_gpus: int) -> float:
+    """Bytes each GPU sends in a ring all-gather (or reduce-scatter) of a tensor of `nbytes` in all: (N - 1) / N x
+    bytes (nccl-tests doc/PERFORMANCE.md)."""
+    return (num_gpus - 1) / num_gpus * nbytes
+
+
+ring_reduce_scatter_bytes = ring_all_gather_bytes
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes one rank moves per optimizer step, by when they can overlap compute."""
+
+    per_micro: float
+    """Collectives of every micro-batch, hidden behind that micro-batch's compute (FSDP / ZeRO-3 prefetching)."""
+    per_micro_backward: float
+    """Collectives of every micro-batch that only backward can hide (ZeRO-2's gradient reduction)."""
+    per_step_backward: float
+    """Once per step, hidden behind the last micro-batch's backward (DDP's bucketed all-reduce; accumulation
+    steps run under no_sync)."""
+    after_step: float
+    """Once per step, after the optimizer: nothing to hide behind (ZeRO-2's parameter all-gather)."""
+    host_per_micro: float = 0.0
+    """ZeRO-Offload: bytes over the host link (PCIe) per micro-batch, overlapped like `per_micro`."""
+    host_params_stepped: float = 0.0
+    """ZeRO-Offload: trainable parameters the CPU updates per step (this rank's partition)."""
+
+
+def communication_bytes(model: ModelSpec, setup: TrainSetup) -> CommBytes:
+    """What one rank sends per step under its strategy (ring algorithms).
+
+    ddp: all-reduce of the trainable gradients once per step. fsdp, zero3: all-gather of the parameters in forward
+    and again in backward (resharded after forward), reduce-scatter of the gradients, every micro-batch (ZeRO paper
+    section 7.2.2: 3 Psi per step against data parallelism's 2 Psi). zero2: reduce-scatter of the gradients every
+    micro-batch, all-gather of the updated 16-bit parameters after the step. zero3_offload: zero3's collectives
+    plus the rank's parameter partition from host memory twice per micro-batch and its gradient partition back.
+    Frozen weights are gathered like trained ones (LoRA under FSDP / ZeRO-3); they have no gradients.
+    """
+    n = setup.num_gpus
+    w = weight_terms.DTYPE_BYTES[setup.dtype] if setup.method != "qlora" else 2
+    params = float(weight_terms.weight_bytes(model, setup.method, "bf16" if setup.method == "qlora" else setup.dtype))
+    trainable = float(adapter_terms.trainable_param_bytes(model, setup))
+    if setup.method in ("lora", "qlora"):
+        params += trainable  # the adapters are gathered with their layer
+    s = setup.strategy
+    if s == "ddp":
+        return CommBytes(0.0, 0.0, ring_all_reduce_bytes(trainable, n), 0.0)
+    if s == "zero2":
+        updated = adapter_terms.trainable_param_count(model, setup) * w
+        return CommBytes(0.0, ring_reduce_scatter_bytes(trainable, n), 0.0, ring_all_gather_bytes(updated, n))
+    per_micro = 2 * ring_all_gather_bytes(params, n) + ring_reduce_scatter_bytes(trainable, n)
+    if s == "zero3_offload":
+        count = adapter_terms.trainable_param_count(model, setup)
+        host = 2 * params / n + 4 * count / n  # 16-bit parameters in, fp32 gradients out
+        return CommBytes(per_micro, 0.0, 0.0, 0.0, host, count / n)
+    return CommBytes(per_micro, 0.0, 0.0, 0.0)
+
+
+def link_bytes_s(gpu: GpuSpec | None) -> tuple[float, float]:
+    """(GPU-to-GPU, GPU-to-host) bytes per second each way: the catalog's `link_gb_s` and the PCIe link (both
+    assumptions, fitune/specs/data/gpus.json `link_source`); PCIe 4.0 for a GPU given as a bare budget."""
+    link = (gpu.link_gb_s if gpu is not None and gpu.link_gb_s else DEFAULT_LINK_GB_S) * 1e9
+    host = (gpu.host_link_gb_s if gpu is not None and gpu.host_link_gb_s else DEFAULT_LINK_GB_S) * 1e9
+    return link, host
+
+
+def communication_s(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None, micro_batch_s: float) -> float:
+    """Seconds per step the communication adds to the compute (what overlapping does not hide).
+
+    Assumptions (none measured): collectives run at the link bandwidth (`link_bytes_s`); what a strategy prefetches
+    (FSDP, ZeRO-3) overlaps the whole micro-batch's compute; bucketed gradient reductions (DDP, ZeRO-2) overlap the
+    backward only (`BACKWARD_SHARE` of the micro-batch); ZeRO-2's parameter all-gather and ZeRO-Offload's CPU step
+    overlap nothing; ZeRO-Offload's host transfers share the micro-batch's overlap with its collectives.
+    """
+    c = communication_bytes(model, setup)
+    link, host = link_bytes_s(gpu)
+    backward = BACKWARD_SHARE * micro_batch_s
+    per_micro = max(0.0, c.per_micro / link + c.host_per_micro / host - micro_batch_s) \
+        + max(0.0, c.per_micro_backward / link - backward)
+    return (setup.grad_accum * per_micro + max(0.0, c.per_step_backward / link - backward)
+            + c.after_step / link + c.host_params_stepped / HOST_ADAM_PARAMS_PER_S)
 
 
 # ---- the fit -------------------------------------------------------------------------------------------------

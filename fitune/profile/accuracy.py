@@ -24,6 +24,8 @@ class AccuracyRow:
     estimated_allocated_bytes: int
     measured_reserved_bytes: int
     estimated_reserved_bytes: int
+    setup: TrainSetup | None = None
+    model_type: str = ""
 
     @property
     def allocated_error_pct(self) -> float:
@@ -49,10 +51,44 @@ def compare(path: str, gpu: str = "h200") -> list[AccuracyRow]:
                 continue
             setup = setup_of_record(r)
             est = estimate(load_model_spec(r["model"]), setup, g)
-            label = (f"{r['model']} {r['method']} {r['lora_targets']} r{r['lora_rank']} {r['batch_size']}x"
-                     f"{r['seq_len_tokens']} ckpt={r['grad_checkpointing']} {r['attn']}")
+            label = _label(r["model"], setup)
             rows.append(AccuracyRow(label, r["peak_allocated_bytes"], est.peak_allocated_bytes,
-                                    r["peak_reserved_bytes"], est.peak_reserved_bytes))
+                                    r["peak_reserved_bytes"], est.peak_reserved_bytes, setup,
+                                    load_model_spec(r["model"]).model_type))
+    return rows
+
+
+def _label(model: str, s: TrainSetup) -> str:
+    what = (f"{s.method} {','.join(s.lora_targets)} r{s.lora_rank}" if s.method in ("lora", "qlora")
+            else f"{s.method}" + (f" last {s.freeze_trainable_layers}" if s.method == "freeze" else ""))
+    extra = [x for x in (s.optimizer if s.optimizer != "adamw" else "", s.dtype if s.dtype != "bf16" else "",
+                         f"stack {s.stack}" if s.stack != "hf" else "", "chunked" if s.loss == "chunked" else "",
+                         "liger" if s.kernels == "liger" else "", "tiled-mlp" if s.tiled_mlp else "",
+                         "keep-outputs" if s.keep_outputs else "") if x]
+    return (f"{model} {what} {s.batch_size}x{s.seq_len_tokens} ckpt={s.grad_checkpointing} {s.attn}"
+            + (f" {' '.join(extra)}" if extra else ""))
+
+
+def compare_profiles(path: str, gpu: str = "h200", root: str = ".") -> list[AccuracyRow]:
+    """The same comparison for `fitune profile --json` records (bench/options.sh lines: the profile object plus
+    `model_arg`, the MODEL argument it was given, a catalog name or a config.json path relative to `root`)."""
+    import os
+
+    rows = []
+    g = resolve_gpu(gpu)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if not r.get("ok") or r.get("oom"):
+                continue
+            setup = TrainSetup.from_dict(r["setup"])
+            arg = r["model_arg"]
+            model = os.path.join(root, arg) if arg.endswith(".json") else arg
+            spec = load_model_spec(model)
+            est = estimate(spec, setup, g)
+            name = os.path.basename(arg)[:-5] if arg.endswith(".json") else arg
+            rows.append(AccuracyRow(_label(name, setup), r["peak_allocated_bytes"], est.peak_allocated_bytes,
+                                    r["peak_reserved_bytes"], est.peak_reserved_bytes, setup, spec.model_type))
     return rows
 
 
@@ -63,10 +99,75 @@ def summary(rows: list[AccuracyRow]) -> dict[str, float]:
             "reserved_median_pct": statistics.median(b), "reserved_max_pct": max(b)}
 
 
+def method_table(rows: list[AccuracyRow]) -> str:
+    """The README's accuracy table: |error| of the peaks by method and optimizer (median / max, %)."""
+    groups: dict[tuple[str, str], list[AccuracyRow]] = {}
+    for r in rows:
+        groups.setdefault((r.setup.method, r.setup.optimizer), []).append(r)
+    order = {"lora": 0, "qlora": 1, "full": 2, "freeze": 3}
+    lines = ["| method | optimizer | cases | allocated: median | max | reserved: median | max |",
+             "|---|---|---|---|---|---|---|"]
+    for (method, opt), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        a = [abs(r.allocated_error_pct) for r in rs]
+        b = [abs(r.reserved_error_pct) for r in rs]
+        lines.append(f"| {method} | {opt} | {len(rs)} | {statistics.median(a):.2f} % | {max(a):.2f} % | "
+                     f"{statistics.median(b):.2f} % | {max(b):.2f} % |")
+    return "\n".join(lines)
+
+
+#: The committed GPU records the planner's evidence (fitune/specs/data/measured.json) is made of: (path under the
+#: repository, reader). bench/results/issue12/full_recipe.jsonl is left out: its cases after the first of each
+#: process started with the previous case's memory still cached (its allocation traces are used, not its peaks).
+SOURCES = (
+    ("bench/results/hf_recipe/hf_recipe.jsonl", "recipe"),
+    ("bench/results/hf_recipe/eager_rerun/eager.jsonl", "recipe"),
+    ("bench/results/issue12/options.jsonl", "profile"),
+)
+
+
+def measured_rows(root: str = ".") -> list[AccuracyRow]:
+    """Every committed measurement of SOURCES, compared with the estimate."""
+    import os
+
+    rows: list[AccuracyRow] = []
+    for rel, kind in SOURCES:
+        path = os.path.join(root, rel)
+        rows += compare_profiles(path, root=root) if kind == "profile" else compare(path)
+    return rows
+
+
+def measured_evidence(root: str = ".") -> dict:
+    """The content of fitune/specs/data/measured.json (see fitune/plan/measured.py)."""
+    from ..plan.measured import ALLOCATED_LIMIT_PCT, RESERVED_LIMIT_PCT, evidence_of
+
+    cases = []
+    import os
+
+    for rel, kind in SOURCES:
+        path = os.path.join(root, rel)
+        rows = compare_profiles(path, root=root) if kind == "profile" else compare(path)
+        cases += [(r.setup, r.model_type, r.allocated_error_pct, r.reserved_error_pct, rel) for r in rows]
+    return {"about": "written by `python -m fitune.profile.accuracy --write-measured` from the GPU records under "
+                     "bench/results/; see fitune/plan/measured.py",
+            "limits": {"allocated_pct": ALLOCATED_LIMIT_PCT, "reserved_pct": RESERVED_LIMIT_PCT},
+            "options": evidence_of(cases)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--write-measured"]:
+        from ..plan.measured import MEASURED_PATH
+
+        with open(MEASURED_PATH, "w", encoding="utf-8") as f:
+            f.write(json.dumps(measured_evidence(), indent=1, sort_keys=True) + "\n")
+        return 0
+    if argv[:1] == ["--table"]:
+        print(method_table(measured_rows()))
+        return 0
     path = argv[0] if argv else "bench/results/hf_recipe/hf_recipe.jsonl"
-    rows = compare(path)
+    with open(path, encoding="utf-8") as f:
+        first = json.loads(f.readline() or "{}")
+    rows = compare_profiles(path) if "model_arg" in first else compare(path)
     gib = GiB
     print(f"{'case':78s} {'alloc GiB':>9s} {'est':>7s} {'err':>7s} {'resv GiB':>9s} {'est':>7s} {'err':>7s}")
     for r in rows:

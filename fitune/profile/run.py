@@ -48,7 +48,11 @@ class ProfileResult:
     num_alloc_retries: int | None
     fragmentation_bytes: int | None
     timeline: list[tuple[float, str, int]] = field(default_factory=list)
+    """(t_s, phase, live_bytes) at every allocation and free the tracker saw (what --plot draws)."""
     oom: dict | None = None
+    memory_timeline: list = field(default_factory=list)
+    """The timeline --json prints: at most tracker.MAX_TIMELINE_POINTS `Sample`s (tracker.downsample), with the
+    allocator's allocated and reserved bytes on CUDA."""
 
     def to_json(self) -> dict:
         return {
@@ -68,6 +72,9 @@ class ProfileResult:
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "num_alloc_retries": self.num_alloc_retries, "fragmentation_bytes": self.fragmentation_bytes,
             "oom": self.oom,
+            "timeline": [{"t_s": round(x.t_s, 6), "phase": x.phase, "live_bytes": x.live_bytes,
+                          "allocated_bytes": x.allocated_bytes, "reserved_bytes": x.reserved_bytes}
+                         for x in self.memory_timeline],
         }
 
 
@@ -93,7 +100,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     from ..runtime.oom import build_report, is_oom
     from ..runtime.optim import build_optimizer
     from ..runtime.step import train_step
-    from .tracker import CATEGORIES, MemoryTracker
+    from .tracker import CATEGORIES, MemoryTracker, downsample
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
@@ -117,7 +124,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     phases: dict[str, PhaseMeasurement] = {}
     times: list[float] = []
     oom = None
-    tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes)
+    tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes, allocator_counters=cuda)
 
     @contextlib.contextmanager
     def measured(phase: str):
@@ -137,7 +144,8 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 # the step `fitune train` runs; --stack hf: the HF recipe's forward (transformers' loss)
-                train_step(model, opt, [ids], loss=setup.loss, recipe=setup.stack == "hf", phase=measured)
+                train_step(model, opt, [ids], loss=setup.loss, recipe=setup.stack == "hf", phase=measured,
+                           keep_outputs=setup.keep_outputs)
                 tracker.end_step()
                 times.append(time.perf_counter() - t0)
                 if progress:
@@ -173,6 +181,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         fragmentation_bytes=(peak.peak_reserved_bytes - peak.peak_allocated_bytes) if cuda and peak else None,
         timeline=[(s.t_s, s.phase, s.live_bytes) for s in tracker.samples],
         oom=oom,
+        memory_timeline=downsample(tracker.samples),
     )
     del model, opt, ids
     gc.collect()

@@ -87,18 +87,31 @@ def _secs(x) -> str:
 
 
 def _timeline(timeline: list) -> str:
-    """`timeline`: [t_s, phase, live_bytes] samples; the phases shaded."""
-    points = [(float(t), int(b), f"timeline.{i}.2") for i, (t, _, b) in enumerate(timeline)]
+    """`timeline`: `fitune profile --json`'s samples ({t_s, phase, live_bytes, allocated_bytes, reserved_bytes}; the
+    allocator's two are null on the CPU), or [t_s, phase, live_bytes] triples (`ProfileResult.timeline`); the phases
+    shaded, one line per quantity recorded."""
+    if timeline and isinstance(timeline[0], dict):
+        rows = [(float(x["t_s"]), x["phase"]) for x in timeline]
+        lines = [("reserved", "reserved_bytes", OKABE_ITO["vermillion"]),
+                 ("allocated", "allocated_bytes", OKABE_ITO["black"]),
+                 ("live tensors", "live_bytes", OKABE_ITO["blue"])]
+        series = [Series(name, color, [(t, int(x[key]), f"timeline.{i}.{key}")
+                                       for i, ((t, _), x) in enumerate(zip(rows, timeline)) if x.get(key) is not None])
+                  for name, key, color in lines]
+        series = [s for s in series if s.points]
+    else:
+        rows = [(float(t), phase) for t, phase, _ in timeline]
+        series = [Series("live tensors", OKABE_ITO["blue"],
+                         [(float(t), int(b), f"timeline.{i}.2") for i, (t, _, b) in enumerate(timeline)])]
     bands, start = [], 0
-    for i in range(1, len(timeline) + 1):
-        if i == len(timeline) or timeline[i][1] != timeline[start][1]:
-            phase = timeline[start][1]
-            end = timeline[i][0] if i < len(timeline) else timeline[i - 1][0]
-            bands.append((float(timeline[start][0]), float(end), str(phase),
-                          PHASE_COLORS.get(phase, OKABE_ITO["grey"])))
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i][1] != rows[start][1]:
+            phase = rows[start][1]
+            end = rows[i][0] if i < len(rows) else rows[i - 1][0]
+            bands.append((rows[start][0], end, str(phase), PHASE_COLORS.get(phase, OKABE_ITO["grey"])))
             start = i
-    chart = line_chart([Series("live tensors", OKABE_ITO["blue"], points)], title="live tensors over time",
-                       bytes_axis=True, width=1140, height=300, x_label="seconds", bands=bands)
+    title = "memory over time" if len(series) > 1 else "live tensors over time"
+    chart = line_chart(series, title=title, bytes_axis=True, width=1140, height=300, x_label="seconds", bands=bands)
     keys = '<div class="legend">' + "".join(
         f'<span><span class="swatch" style="background:{c};opacity:.5"></span>{esc(p)}</span>'
         for p, c in PHASE_COLORS.items()) + "</div>"

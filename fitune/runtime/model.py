@@ -80,6 +80,10 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
                                                      attn_implementation=attn)
         if quantize == "nf4":
             quantize_decoder_to_nf4(model)
+            # the whole bf16 model existed for a moment (a pretrained load quantises tensor by tensor and never
+            # holds it): give its cached blocks back, or they stay in the reserved peak (phi-3-mini QLoRA: 9.97
+            # GiB reserved for 4.73 allocated, bench/results/issue12/options.jsonl case 27)
+            torch.cuda.empty_cache()
     else:
         kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
                   "trust_remote_code": trust_remote_code}

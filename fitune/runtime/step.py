@@ -42,7 +42,8 @@ class StepStats:
         return self.loss_scale is not None and self.loss_scale < self.loss_scale_before
 
 
-def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None = None, recipe: bool = False):
+def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None = None, recipe: bool = False,
+                 return_output: bool = False):
     """The loss tensor of one micro-batch.
 
     Args:
@@ -53,6 +54,7 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
         num_items: divide the summed token losses by this (transformers' `num_items_in_batch`); None: the mean.
         recipe: the HF recipe's call as users write it: `model(input_ids=ids, labels=ids).loss` (the config's
             KV-cache default, transformers' mean loss); `loss` and `num_items` are not used.
+        return_output: with `recipe`, return the model's whole output (its `.loss`, and the logits it holds).
     """
     if isinstance(batch, torch.Tensor):
         input_ids = labels = batch
@@ -62,7 +64,8 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
         extra = {k: getattr(batch, k, None) for k in ("attention_mask", "position_ids")}
         extra = {k: v for k, v in extra.items() if v is not None}
     if recipe:
-        return model(input_ids=input_ids, labels=labels, **extra).loss
+        out = model(input_ids=input_ids, labels=labels, **extra)
+        return out if return_output else out.loss
     device = next(model.parameters()).device
     # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
     # apart by their restarting position_ids) only when no cache is passed
@@ -79,7 +82,8 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
 
 def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "hf", recipe: bool = False,
                num_items: int | None = None, scaler=None, max_grad_norm: float | None = None,
-               phase: PhaseHook | None = None, before_micro_batch: Callable[[int], None] | None = None) -> StepStats:
+               phase: PhaseHook | None = None, before_micro_batch: Callable[[int], None] | None = None,
+               keep_outputs: bool = False) -> StepStats:
     """One optimizer step over `micro_batches` (gradient accumulation when there are several).
 
     Args:
@@ -94,6 +98,8 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
         max_grad_norm: clip the trainable parameters' gradient norm to this (None or 0: no clipping).
         phase: measures the phases (see `PhaseHook`).
         before_micro_batch: called with the micro-batch's index before its forward (tests inject faults here).
+        keep_outputs: with `recipe`, the loop people write: `out = model(**batch); out.loss.backward()` - the whole
+            output (its bf16 logits) stays referenced through backward and the optimizer step.
     Raises:
         whatever the model raises (an out-of-memory error included: `fitune.runtime.oom.is_oom` tells it; the
         caller frees the step: `optimizer.zero_grad(set_to_none=True)`).
@@ -101,12 +107,16 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
     phase = phase or _no_phase
     n = len(micro_batches)
     total = 0.0
-    users_loss = None
+    users_loss = users_out = None
     for i, mb in enumerate(micro_batches):
         if before_micro_batch is not None:
             before_micro_batch(i)
         with phase("forward"):
-            loss_t = forward_loss(model, mb, loss=loss, num_items=num_items, recipe=recipe)
+            if recipe and keep_outputs:
+                users_out = forward_loss(model, mb, recipe=True, return_output=True)
+                loss_t = users_out.loss
+            else:
+                loss_t = forward_loss(model, mb, loss=loss, num_items=num_items, recipe=recipe)
             if num_items is None and n > 1:
                 loss_t = loss_t / n  # the step's loss is the mean over its micro-batches
         with phase("backward"):
@@ -129,7 +139,7 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # the gradients' memory goes back before the next forward
-        del users_loss
+        del users_loss, users_out
     return StepStats(loss=total, micro_batches=n, loss_scale_before=scale_before, loss_scale=scale_after)
 
 

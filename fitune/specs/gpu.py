@@ -28,6 +28,11 @@ HOPPER_CONTEXT_BYTES = 718_077_952
 CONSUMER_CONTEXT_BYTES = 24_564 * MiB - int(23.4 * GiB)
 
 
+#: Effective GB/s each way of a PCIe x16 link (about 80 % of the raw 16 / 32 / 64 GB/s): an assumption, not
+#: measured. A GPU whose catalog entry names no PCIe generation is taken as 5.0.
+PCIE_GB_S = {"3.0 x16": 12.0, "4.0 x16": 25.0, "5.0 x16": 50.0}
+
+
 def cuda_context_bytes(compute_capability: str) -> int:
     """Device memory the CUDA context, cuBLAS/cuDNN handles and kernel images take outside the allocator.
 
@@ -56,6 +61,13 @@ class GpuSpec:
     memory_bandwidth_gb_s: float | None = None
     supports_bf16: bool = True
     source: str = ""
+    link_gb_s: float | None = None
+    """GB/s one GPU sends to its peers, each way (NVLink through NVSwitch, or PCIe without it): the bandwidth of
+    the collectives of multi-GPU training. An assumption from the datasheet until measured (`link_source`)."""
+    link_source: str = ""
+    host_link_gb_s: float | None = None
+    """GB/s between the GPU and host memory, each way (its PCIe link): what ZeRO-Offload's transfers run at.
+    Assumed from the PCIe generation (`PCIE_GB_S`)."""
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -88,8 +100,13 @@ def catalog_gpu_names() -> list[str]:
     return sorted(gpu_catalog())
 
 
-def resolve_gpu(text: str) -> GpuSpec:
-    """`rtx4090` -> the catalog entry; `24GiB` / `23.4GiB` -> that many bytes for the allocator."""
+def resolve_gpu(text: str, flag: str = "--gpu") -> GpuSpec:
+    """`rtx4090` -> the catalog entry; `24GiB` / `23.4GiB` -> that many bytes for the allocator.
+
+    `flag` is how errors name the value (`--gpu`, `--cap`, `cap:`)."""
+    if not text.strip():
+        raise UnknownGpuError(f"{flag} is empty; name a GPU (rtx4090, a100-80gb, ...: fitune estimate --list-gpus) "
+                              "or the memory PyTorch may use, e.g. 23.4GiB")
     key = text.strip().lower()
     catalog = gpu_catalog()
     if key in catalog:
@@ -106,19 +123,23 @@ def resolve_gpu(text: str) -> GpuSpec:
             memory_bandwidth_gb_s=e.get("memory_bandwidth_gb_s"),
             supports_bf16=bool(e.get("supports_bf16", True)),
             source=e.get("source", ""),
+            link_gb_s=e.get("link_gb_s"),
+            link_source=e.get("link_source", ""),
+            host_link_gb_s=PCIE_GB_S.get(e.get("pcie") or "", PCIE_GB_S["5.0 x16"]),
         )
     budget = parse_memory_bytes(text)
     if budget is not None:
         if budget <= 0:
-            raise UnknownGpuError(f"--gpu {text}: a memory budget must be positive")
-        return GpuSpec(name=text.strip(), total_bytes=budget, allocator_budget_bytes=budget, display_name=f"{text.strip()} budget")
+            raise UnknownGpuError(f"{flag} {text}: a memory budget must be positive")
+        name = "".join(text.split())  # `24 GiB` -> `24GiB`: the name is quoted in comments, one line
+        return GpuSpec(name=name, total_bytes=budget, allocator_budget_bytes=budget, display_name=f"{name} budget")
     if is_decimal_unit(text):
         raise UnknownGpuError(
-            f"--gpu {text}: fitune's budgets are 1024-based; write GiB or MiB (e.g. `--gpu 23.4GiB`), not GB/MB"
+            f"{flag} {text}: fitune's budgets are 1024-based; write GiB or MiB (e.g. `{flag} 23.4GiB`), not GB/MB"
         )
     close = difflib.get_close_matches(key, list(catalog), n=4, cutoff=0.5)
     known = ", ".join(close or sorted(catalog))
     raise UnknownGpuError(
-        f"--gpu {text!r} is not a known GPU; {'closest' if close else 'known'}: {known}; "
-        "or pass the memory PyTorch may use, e.g. `--gpu 23.4GiB`"
+        f"{flag} {text!r} is not a known GPU; {'closest' if close else 'known'}: {known}; "
+        f"or pass the memory PyTorch may use, e.g. `{flag} 23.4GiB`"
     )

@@ -132,6 +132,95 @@ def _get(cfg: dict, *keys, default=None):
     return default
 
 
+#: The largest value fitune accepts for each size a config.json gives (and the smallest): well above every real
+#: model (the catalog's largest: hidden 16,384, intermediate 53,248, 126 layers, 128 heads, vocabulary 262,208,
+#: 128 experts), low enough that no loop or product over them runs away. A documented limit, not a guess at
+#: what exists: a config beyond it is a typo (`num_hidden_layers: 1e12`).
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 1 << 20),
+    "intermediate_size": (1, 1 << 22),
+    "moe_intermediate_size": (1, 1 << 22),
+    "shared_expert_intermediate_size": (0, 1 << 22),
+    "num_hidden_layers": (1, 10_000),
+    "num_attention_heads": (1, 1 << 14),
+    "num_key_value_heads": (1, 1 << 14),
+    "head_dim": (1, 1 << 14),
+    "vocab_size": (1, 1 << 24),
+    "num_local_experts": (0, 1 << 16),
+    "num_experts": (0, 1 << 16),
+    "num_experts_per_tok": (0, 1 << 16),
+    "decoder_sparse_step": (0, 10_000),
+    "sliding_window": (0, 1 << 30),
+    "sliding_window_pattern": (1, 10_000),
+    "max_window_layers": (0, 1 << 30),
+}
+#: Keys every analytic architecture needs (intermediate_size too, except for the MoE ones).
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _describe_json(value) -> str:
+    """How a config.json value is named in a message: as JSON spells it (NaN, Infinity, null, true)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, str):
+        return f"the text {value[:40]!r}"
+    if isinstance(value, list):
+        return f"a list ({len(value)} items)"
+    if isinstance(value, dict):
+        return "an object {...}"
+    return repr(value)
+
+
+def check_hf_config(cfg: dict, model_type: str, required: tuple[str, ...] = REQUIRED_KEYS,
+                    bounds_only: bool = False) -> list[str]:
+    """Every value of `cfg` (a config.json) the analytic engine would compute with that is not a usable size, as
+    problems ("hidden_size must be a whole number from 1 to 1,048,576, got NaN"); [] when all are usable.
+
+    JSON allows NaN, Infinity, null, text and lists where a size belongs, and typos like `1e12`; each becomes a
+    problem here instead of a ValueError, a ZeroDivisionError or a loop that never ends further on.
+    """
+    problems = []
+    for k, (low, high) in SIZE_LIMITS.items():
+        if k not in cfg or (cfg[k] is None and k not in required):
+            continue  # absent or null: the default applies (missing required keys are reported by the caller)
+        v = cfg[k]
+        ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+        if not ok or not low <= v <= high:
+            problems.append(f"{k} must be a whole number from {low:,} to {high:,}, got {_describe_json(v)}")
+    if problems or bounds_only:  # bounds_only: what transformers does not check itself (it builds 10**12 layers)
+        return problems
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and int(heads) % int(kv):
+        problems.append(f"num_attention_heads {int(heads)} is not a multiple of num_key_value_heads {int(kv)} "
+                        "(grouped-query attention shares each key/value head among whole groups of query heads)")
+    if heads and cfg.get("head_dim") is None and cfg.get("hidden_size") and int(cfg["hidden_size"]) % int(heads):
+        problems.append(f"hidden_size {int(cfg['hidden_size'])} is not divisible by num_attention_heads {int(heads)} "
+                        "and there is no head_dim key; give head_dim (or fix one of them)")
+    for k in ("layer_types", "mlp_only_layers"):
+        v = cfg.get(k)
+        if v is not None and not (isinstance(v, list) and len(v) <= SIZE_LIMITS["num_hidden_layers"][1]):
+            problems.append(f"{k} must be a list (one entry per layer), got {_describe_json(v)}")
+    mlp_only = cfg.get("mlp_only_layers")
+    if isinstance(mlp_only, list) and not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        problems.append("mlp_only_layers must list layer numbers (whole numbers)")
+    for k in ("attn_logit_softcapping", "final_logit_softcapping"):
+        v = cfg.get(k)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            problems.append(f"{k} must be a positive number or null, got {_describe_json(v)}")
+    experts = _get(cfg, "num_local_experts", "num_experts", default=0)
+    per_token = cfg.get("num_experts_per_tok")
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe") and experts and per_token is not None \
+            and not 1 <= per_token <= experts:
+        problems.append(f"num_experts_per_tok must be from 1 to the {int(experts)} experts, got {per_token!r}")
+    return problems
+
+
 def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> ModelSpec:
     """Build a ModelSpec from a config.json dict.
 
@@ -139,12 +228,20 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         UnsupportedArchitectureError: the model_type is not modelled (the message suggests `--engine trace`).
         UnknownModelError: a key the architecture needs is missing (the message names it).
     """
+    label = name or source or "config.json"
+    if not isinstance(cfg, dict):
+        raise UnknownModelError(f"{label}: a config.json holds a JSON object {{...}}, got {_describe_json(cfg)}")
     if "text_config" in cfg and "hidden_size" not in cfg:
+        if not isinstance(cfg["text_config"], dict):
+            raise UnknownModelError(f"{label}: config.json's text_config must be an object {{...}}, got "
+                                    f"{_describe_json(cfg['text_config'])}")
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     model_type = cfg.get("model_type")
-    label = name or source or "config.json"
     if not model_type:
         raise UnknownModelError(f"{label}: config.json has no 'model_type' key; is this a Hugging Face model config?")
+    if not isinstance(model_type, str):
+        raise UnknownModelError(f"{label}: config.json's model_type must be text (e.g. \"llama\"), got "
+                                f"{_describe_json(model_type)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{label}: model_type {model_type!r} is not modelled by the analytic engine "
@@ -157,6 +254,12 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         missing.append("intermediate_size")
     if missing:
         raise UnknownModelError(f"{label}: config.json lacks {', '.join(repr(k) for k in missing)}, needed to size the model")
+    problems = check_hf_config(cfg, model_type, REQUIRED_KEYS + (() if is_moe else ("intermediate_size",)))
+    if problems:
+        where = source if source and source != label else label
+        raise UnknownModelError(f"{where}: config.json has values fitune cannot size a model with:\n"
+                                + "\n".join(f"  - {p}" for p in problems)
+                                + "\nfix them in the file (transformers writes each size as a whole number)")
 
     h = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -174,11 +277,11 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
     elif window and model_type == "gemma2":
         sliding_layers = (layers + 1) // 2  # even layers slide (transformers Gemma2: layer_idx % 2 == 0)
     elif window and model_type == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = int(_get(cfg, "sliding_window_pattern", default=6))
         sliding_layers = sum(1 for i in range(layers) if (i + 1) % pattern != 0)
     elif window and model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if cfg.get("use_sliding_window"):
-            sliding_layers = max(0, layers - int(cfg.get("max_window_layers", layers)))
+            sliding_layers = max(0, layers - int(_get(cfg, "max_window_layers", default=layers)))
     elif window and model_type in ("mistral", "mixtral", "phi3"):
         sliding_layers = layers
     if not sliding_layers:
@@ -196,7 +299,7 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         name=name or cfg.get("_name_or_path", "") or "custom",
         model_type=model_type,
         hidden_size=h,
-        intermediate_size=int(cfg.get("intermediate_size", moe_i)),
+        intermediate_size=int(_get(cfg, "intermediate_size", default=moe_i)),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -215,7 +318,7 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma_like else None,
         num_experts=num_experts,
-        experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if num_experts else 0,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_intermediate_size=moe_i,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
         moe_layers=moe_layers,
@@ -290,6 +393,9 @@ def resolve_model_source(model: str) -> ModelSource:
     Raises:
         UnknownModelError: MODEL is none of those, or its config.json is not a readable JSON object.
     """
+    if not model.strip():
+        raise UnknownModelError("MODEL is empty; name a catalog model (e.g. llama-3.1-8b; `fitune estimate "
+                                "--list-models` prints them), a config.json or a model folder")
     catalog = model_catalog()
     key = catalog_key(model)
     if key is not None:
@@ -311,12 +417,33 @@ def resolve_model_source(model: str) -> ModelSource:
     )
 
 
+#: The largest config.json read (bytes): real ones are a few KiB (with an id2label table, a few hundred).
+MAX_CONFIG_JSON_BYTES = 16 << 20
+
+
 def _read_config(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnknownModelError(f"cannot read {path} as a config.json: {exc}") from exc
+        size = os.path.getsize(path)
+        if size > MAX_CONFIG_JSON_BYTES:
+            raise UnknownModelError(f"{path}: {size:,} bytes is too large for a config.json (at most "
+                                    f"{MAX_CONFIG_JSON_BYTES:,}); point MODEL at the model's config.json or folder")
+        with open(path, "rb") as f:
+            raw = f.read()
+        cfg = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise UnknownModelError(f"{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                                "a config.json is UTF-8 JSON: re-save it as UTF-8") from exc
+    except RecursionError as exc:
+        raise UnknownModelError(f"{path}: JSON nested too deeply to be a config.json; point MODEL at the model's "
+                                "config.json") from exc
+    except ValueError as exc:  # json.JSONDecodeError, or a number too long to convert
+        why = "a number of thousands of digits" if "digits" in str(exc) else str(exc)
+        raise UnknownModelError(f"cannot read {path} as a config.json: {why}; fix the JSON (or point MODEL at the "
+                                "model's own config.json)") from exc
+    except OSError as exc:
+        raise UnknownModelError(f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions") \
+            from exc
     if not isinstance(cfg, dict):
-        raise UnknownModelError(f"{path} is not a JSON object; expected a Hugging Face config.json")
+        raise UnknownModelError(f"{path} is not a JSON object ({_describe_json(cfg)}); expected a Hugging Face "
+                                "config.json {\"model_type\": ..., \"hidden_size\": ...}")
     return cfg

@@ -27,7 +27,7 @@ import random
 
 from ..errors import ConfigError, FituneError
 from ..units import GiB
-from .outdir import RunFolder, fsync_dir, fsync_tree
+from .outdir import METRICS_FILE, RunFolder, fsync_dir, fsync_tree, write_failed_message
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def read_state(path: str) -> dict:
 
 
 def save(folder: RunFolder, step: int, model, optimizer, scheduler, stream_state: dict, extra: dict,
-         keep: int = 2) -> str:
+         keep: int = 2, sharded_writer=None) -> str:
     """Write this run's checkpoint for `step` atomically, then delete this run's older ones beyond `keep`.
 
     A complete checkpoint of this run for `step` already there (the end-of-run or Ctrl-C save right after a
@@ -111,17 +111,25 @@ def save(folder: RunFolder, step: int, model, optimizer, scheduler, stream_state
         os.replace(final, aside)  # another run's folder: moved out of the way, never deleted
         log.warning("moved %s (of run %s) to %s", final, state.get("run_id"), aside)
     tmp = folder.fresh_dir(CHECKPOINTS, f"step-{step:06d}")
+    try:
+        if sharded_writer is not None:  # FSDP2: every rank writes its shards of weights and optimizer (fitune/parallel)
+            sharded_writer(tmp)
+        else:
+            trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            save_file(trainable, os.path.join(tmp, "trainable.safetensors"))
+            _write_tree(tmp, "optimizer", optimizer.state_dict())
+        _write_tree(tmp, "scheduler", scheduler.state_dict())
+        _write_tree(tmp, "rng", _rng_state())
+        _write_json(os.path.join(tmp, "trainer_state.json"),
+                    {"format": FORMAT, "run_id": folder.run_id, "step": step, "data": stream_state, **extra})
 
-    trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    save_file(trainable, os.path.join(tmp, "trainable.safetensors"))
-    _write_tree(tmp, "optimizer", optimizer.state_dict())
-    _write_tree(tmp, "scheduler", scheduler.state_dict())
-    _write_tree(tmp, "rng", _rng_state())
-    _write_json(os.path.join(tmp, "trainer_state.json"),
-                {"format": FORMAT, "run_id": folder.run_id, "step": step, "data": stream_state, **extra})
-
-    _before_publish(tmp)
-    fsync_tree(tmp)  # the contents are on disk before the name says "complete"
+        _before_publish(tmp)
+        fsync_tree(tmp)  # the contents are on disk before the name says "complete"
+    except Exception as exc:  # a full disk, mostly (safetensors reports it as its own error, not OSError)
+        _discard(folder, tmp)  # its space back; the previous checkpoints were never touched
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(write_failed_message(final, exc, latest(folder.root, folder.run_id))) from None
     os.replace(tmp, final)
     fsync_dir(parent)
     prune(folder, keep)
@@ -141,7 +149,11 @@ def prune(folder: RunFolder, keep: int) -> list[str]:
 
 
 def remove_partial(folder: RunFolder) -> None:
-    """Delete `.tmp` folders: writes cut short by a crash or a third Ctrl-C (the lock says nobody writes now)."""
+    """Delete `.tmp` folders (and metrics.jsonl.tmp): writes cut short by a crash or a third Ctrl-C (the lock says
+    nobody writes now)."""
+    stray = os.path.join(folder.root, METRICS_FILE + ".tmp")  # a rewrite of metrics.jsonl cut short
+    if os.path.lexists(stray):
+        os.unlink(stray)  # a link itself, never its target
     parent = os.path.join(folder.root, CHECKPOINTS)
     if not os.path.isdir(parent):
         return
@@ -149,6 +161,13 @@ def remove_partial(folder: RunFolder) -> None:
         if name.endswith(".tmp"):
             log.info("removing %s/%s: an unfinished checkpoint write", parent, name)
             folder.remove_tree(folder.inside(CHECKPOINTS, name))
+
+
+def _discard(folder: RunFolder, tmp: str) -> None:
+    try:
+        folder.remove_tree(tmp)
+    except OSError:  # pragma: no cover - left as a .tmp folder, which the next start removes
+        log.warning("could not remove %s; the next start removes it", tmp)
 
 
 def _before_publish(tmp: str) -> None:
@@ -171,6 +190,17 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     if foreign:  # fitune never writes these; whoever did, they stay unread
         log.warning("checkpoint %s: ignoring %s (fitune's checkpoints hold no pickle; these files are not read)",
                     path, ", ".join(foreign))
+    from ..parallel.checkpoint import is_sharded, load_sharded
+
+    if is_sharded(path):  # written by an FSDP2 run, on any number of GPUs: DCP reshards for this one
+        try:
+            load_sharded(path, model, optimizer)
+            scheduler.load_state_dict(_read_tree(path, "scheduler"))
+        except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
+            raise CheckpointError(f"checkpoint {path} does not fit this run ({exc}); resume with the config the run "
+                                  "started with, or start a new run with --overwrite") from None
+        _set_rng_state(_read_tree(path, "rng"), path)
+        return state
     weights = _load_safetensors(os.path.join(path, "trainable.safetensors"))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     unknown = sorted(set(weights) - set(params))
@@ -202,6 +232,9 @@ RESUME_APPLIES = frozenset({
     "max_steps", "epochs", "eval_every", "save_every", "save_every_minutes", "keep_checkpoints", "log_every",
     # the next steps' hyperparameters: applied to the optimizer and the schedule from the resumed step on
     "lr", "weight_decay", "max_grad_norm",
+    # the number of GPUs: the global batch (batch_size x gpus) changes from the resumed step on; sharded checkpoints
+    # reshard (fitune/parallel/checkpoint.py)
+    "gpus",
     # outputs, logging and where the run lives
     "merge", "report_to", "output_dir", "data.eval_path",
     # how a step is executed, not what it computes (the OOM guard changes these itself): memory only

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
-from ..units import GiB
 from . import checkpoint, outdir
 from .config import TrainConfig
+from .progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,23 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
         OutputDirError, ConfigError, CheckpointError: exit 2, the message says what to do.
         TrainingInterrupted: Ctrl-C (exit 130), after the checkpoint of the last finished step is written.
     """
-    folder = outdir.open_run(cfg.output_dir, cfg.to_dict(), resume=resume, overwrite=overwrite)
+    from ..parallel import ranks
+
+    main = ranks.start(cfg.setup.num_gpus, cfg.setup.strategy).is_main  # [parallel] torchrun's ranks join here
+    folder = None
     try:
-        checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
-        resume_from = _resume_point(cfg, folder) if resume else None
+        # [parallel] rank 0 alone opens (locks) output_dir and writes in it; the other ranks follow it
+        folder = ranks.share_folder(outdir.open_run(cfg.output_dir, cfg.to_dict(), resume=resume, overwrite=overwrite)
+                                    if main else None)
+        if main:
+            checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
+        resume_from = ranks.broadcast(_resume_point(cfg, folder) if resume and main else None)
         return _train(cfg, folder, resume_from, fault, progress)
     finally:
-        folder.close()
+        if folder is not None:
+            folder.close()
+        _GracefulStop.restore_all()  # after the lock's release: a late second Ctrl-C cannot cut it short
+        ranks.stop()
 
 
 def _resume_point(cfg: TrainConfig, folder: outdir.RunFolder) -> str:
@@ -111,9 +121,10 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     from ..runtime.device import configure_allocator, limit_allocator, pick_device
     from ..runtime.model import build_model_for_setup, load_tokenizer, prepare_model, set_checkpointing
     from ..runtime.optim import build_optimizer
+    from ..parallel import data as parallel_data, ranks, wrap as parallel_wrap
 
     configure_allocator(cfg.setup)  # before CUDA starts
-    device = pick_device()
+    device = ranks.current().device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
     if cfg.cap and device == "cuda":
         from ..specs.gpu import resolve_gpu
 
@@ -129,7 +140,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     log.info("data: %s", stats.summary())
     if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
         log.warning("fitune train: %s", stats.dropped_message())
-    stream = data_mod.BatchStream(items, s.batch_size, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
+    rows = parallel_data.global_batch_rows(s.batch_size)  # [parallel] the global batch: batch_size on each GPU
+    stream = data_mod.BatchStream(items, rows, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
     eval_items = None
     if cfg.data.eval_path:
         ev, ev_stats = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer,
@@ -137,7 +149,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
         if ev_stats.dropped_records:
             log.warning("fitune train: eval data: %s", ev_stats.dropped_message())
         eval_items = data_mod.pack(ev, s.seq_len_tokens) if cfg.packing else ev
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / s.batch_size) / s.grad_accum))
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / rows) / s.grad_accum))
 
     # ---- model, optimizer, schedule ------------------------------------------------------------------------
     model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
@@ -155,9 +167,11 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     if len(tokenizer) > vocab:
         raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "
                           f"has {vocab} rows; use the model's own tokenizer")
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = parallel_wrap.wrap(model, s, ranks.current())  # [parallel] DDP / FSDP2 / ZeRO around model and loss
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the shards
     optimizer = build_optimizer(s.optimizer, trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _scheduler(cfg, optimizer, total_steps)
+    optimizer = parallel_wrap.attach_optimizer(engine, optimizer, s, cfg)  # [parallel] ZeRO: DeepSpeed steps it
     scaler = torch.amp.GradScaler("cuda") if s.dtype == "fp16" and device == "cuda" else None
     plan = Plan(micro_batch_size=s.batch_size, grad_checkpointing=s.grad_checkpointing != "none")
     step = 0
@@ -179,8 +193,9 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     from .loggers import make_loggers
 
     loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
-                           cfg.to_dict())  # TensorBoard / W&B get the same scalars as metrics.jsonl
-    bar = _progress_bar(total_steps, step, progress)
+                           cfg.to_dict()) if ranks.is_main() else []  # TensorBoard / W&B: metrics.jsonl's scalars
+    progress = progress and ranks.is_main()  # [parallel] rank 0 alone logs
+    bar = progress_bar(total_steps, step, progress, device, cfg.cap)  # loss, eval loss, peak memory / budget
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
     stream_before_step = stream.state_dict()
@@ -193,7 +208,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             t0 = time.perf_counter()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # per-step peaks in metrics.jsonl
-            loss = _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device)
+            loss = _step_with_oom_guard(cfg, engine.step_model, optimizer, scaler, stream, batches, plan, step, fault,
+                                        device)
             scheduler.step()
             step += 1
             stream_before_step = stream.state_dict()  # this step is done: its data is consumed
@@ -214,7 +230,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
                 logger.log(step, line)
             bar.update(line)
             if eval_items is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                eval_losses[step] = _evaluate(model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
+                eval_losses[step] = _evaluate(engine.step_model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
+                bar.set_eval_loss(eval_losses[step])
                 metrics.write(json.dumps({"step": step, "eval_loss": eval_losses[step]}) + "\n")
                 metrics.flush()
                 for logger in loggers:
@@ -222,8 +239,10 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             if _checkpoint_due(cfg, step, total_steps, time.monotonic() - last_save_s):
                 _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
                 last_save_s = time.monotonic()
-            if stop.requested:
+            if ranks.any_rank(stop.requested):  # [parallel] every rank stops after the same step
                 raise KeyboardInterrupt
+        # written while Ctrl-C is still handled: a press now lets them finish, a third aborts (checkpoint kept)
+        adapter_dir, merged_dir = _write_outputs(cfg, folder, model, tokenizer)
     except KeyboardInterrupt:
         bar.close()
         metrics.close()
@@ -240,13 +259,11 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
               file=sys.stderr)
         raise TrainingInterrupted(f"{how} at step {step}" + (f"; resume from {path}" if path else "")) from None
     finally:
-        stop.restore()
         metrics.close()
         for logger in loggers:
             logger.close()
     bar.close()
     metrics.close()
-    adapter_dir, merged_dir = _write_outputs(cfg, folder, model, tokenizer)
     return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, model=model)
 
 
@@ -255,6 +272,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
 
 def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device) -> float:
     """Run the step; on an out-of-memory error free it, re-plan and run the same data again."""
+    from ..parallel import ranks
     from ..runtime.device import release_memory
     from ..runtime.oom import is_oom
 
@@ -262,8 +280,8 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
         try:
             return _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault)
         except Exception as exc:  # noqa: BLE001 - only OOM is handled; anything else propagates
-            if not (cfg.oom_guard and is_oom(exc)):
-                raise
+            if not (cfg.oom_guard and is_oom(exc)) or ranks.current().distributed:  # [parallel] a re-plan on one
+                raise                                                 # rank alone would leave the others waiting
             optimizer.zero_grad(set_to_none=True)  # partial gradients of the failed attempt go
             del exc
             release_memory(device)  # the failed attempt's activations and cached blocks go back
@@ -279,18 +297,21 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
 
 def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault) -> float:
     """The step's batches split into the plan's micro-batches, through the runtime's one training step."""
+    from ..parallel.data import rank_micro_batches
+    from ..parallel.ranks import mean
+    from ..parallel.wrap import step_loss
     from ..runtime.step import train_step
 
-    micro = [m for b in batches for m in stream.split(b, plan.micro_batch_size)]
-    num_items = sum(m.trained_tokens for m in micro)  # loss = summed token losses / the step's trained tokens
-    stats = train_step(model, optimizer, micro, loss=cfg.setup.loss, num_items=num_items, scaler=scaler,
-                       max_grad_norm=cfg.max_grad_norm,
+    # loss = summed token losses / the step's trained tokens; [parallel] this rank's slice of the global batch
+    micro, num_items = rank_micro_batches(stream, batches, plan.micro_batch_size)
+    stats = train_step(model, optimizer, micro, loss=step_loss(model, cfg.setup.loss), num_items=num_items,
+                       scaler=scaler, max_grad_norm=cfg.max_grad_norm,
                        before_micro_batch=None if fault is None else lambda i: fault(step, i))
     if stats.overflowed:
         print(f"\nfitune: fp16 overflow at step {step + 1}; loss scale {stats.loss_scale_before:g} -> "
               f"{stats.loss_scale:g}" + (" (collapsing: use dtype bf16)" if stats.loss_scale < 1 else ""),
               file=sys.stderr)
-    return stats.loss
+    return mean(stats.loss)  # [parallel] the mean of the ranks' losses: the loss of the whole global batch
 
 
 def _replan(model, plan: Plan, step: int) -> dict | None:
@@ -339,6 +360,7 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     import torch
 
     from .. import data as data_mod
+    from ..parallel.wrap import step_loss
     from ..runtime.step import forward_loss
 
     stream = data_mod.BatchStream(items, cfg.setup.batch_size, cfg.seed, pad_token_id, packed=cfg.packing, shuffle=False)
@@ -349,7 +371,7 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     with torch.no_grad():
         for _ in range(n_batches):
             b = stream.next_batch()
-            loss = forward_loss(model, b, loss=cfg.setup.loss, num_items=1)  # summed token loss
+            loss = forward_loss(model, b, loss=step_loss(model, cfg.setup.loss), num_items=1)  # summed token loss
             total += loss.item()
             tokens += b.trained_tokens
     if was_training:
@@ -366,8 +388,13 @@ def _checkpoint_due(cfg: TrainConfig, step: int, total_steps: int, since_save_s:
 def _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop) -> str:
     stop.saving_step = step  # a Ctrl-C now says it waits for this write
     try:
-        path = checkpoint.save(folder, step, model, optimizer, scheduler, stream.state_dict(),
-                               {"plan_changes": plan.changes, "config": cfg.to_dict()}, keep=cfg.keep_checkpoints)
+        from ..parallel.checkpoint import save_on_ranks
+
+        path = save_on_ranks(  # [parallel] rank 0 writes; FSDP2: every rank writes its shards first
+            lambda writer: checkpoint.save(folder, step, model, optimizer, scheduler, stream.state_dict(),
+                                           {"plan_changes": plan.changes, "config": cfg.to_dict()},
+                                           keep=cfg.keep_checkpoints, sharded_writer=writer),
+            model, optimizer, sharded=cfg.setup.strategy != "ddp", strategy=cfg.setup.strategy)
     finally:
         stop.saving_step = None
     stop.last_checkpoint = path
@@ -402,10 +429,15 @@ def _write_outputs(cfg: TrainConfig, folder, model, tokenizer) -> tuple[str | No
 def _write_pretrained(cfg: TrainConfig, folder, name: str, model, tokenizer) -> str:
     """`output_dir/name` written as a fresh `name.tmp/` (no file in it a planted link could redirect), then renamed
     over the old one: a crash leaves the old folder or the new one, complete."""
-    tmp = folder.fresh_dir(name)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    folder.publish(tmp)
+    from ..parallel import ranks
+    from ..parallel.checkpoint import full_state_dict
+
+    state = full_state_dict(model, cfg.setup.strategy)  # [parallel] FSDP2 / ZeRO-3: gathered on rank 0 (else None)
+    if not ranks.is_main():  # [parallel] rank 0 alone writes
+        return os.path.join(cfg.output_dir, name)
+    with folder.writing(name) as tmp:  # a failed write (a full disk) says what to do; the checkpoints stay
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
+        tokenizer.save_pretrained(tmp)
     return os.path.join(cfg.output_dir, name)
 
 
@@ -428,6 +460,7 @@ class _GracefulStop:
         self.last_checkpoint = last_checkpoint
         """The newest complete checkpoint of this run."""
         self._old: dict = {}
+        _GracefulStop._active.append(self)  # restored by `train` once the output folder is released
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -461,6 +494,13 @@ class _GracefulStop:
             signal.signal(sig, old)
         self._old = {}
 
+    _active: list = []
+
+    @classmethod
+    def restore_all(cls):
+        while cls._active:
+            cls._active.pop().restore()
+
 
 def _say(message: str) -> None:
     """Print from a signal handler: the handler can run inside another write to stderr, which then refuses."""
@@ -468,39 +508,3 @@ def _say(message: str) -> None:
         print(f"\nfitune: {message}", file=sys.stderr, flush=True)
     except RuntimeError:  # reentrant call inside the stderr buffer: the message is lost, the handling is not
         pass
-
-
-class _NoBar:
-    def update(self, line):  # noqa: D401
-        pass
-
-    def close(self):
-        pass
-
-
-class _Bar:
-    """tqdm progress bar with tokens/s, loss and memory."""
-
-    def __init__(self, total, start):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, line):
-        post = {"loss": f"{line['loss']:.4f}", "tok/s": f"{line['tokens_per_s']:.0f}"}
-        if line.get("peak_allocated_bytes"):
-            post["mem"] = f"{line['peak_allocated_bytes'] / GiB:.1f}GiB"
-        self.bar.set_postfix(post, refresh=False)
-        self.bar.update(1)
-
-    def close(self):
-        self.bar.close()
-
-
-def _progress_bar(total, start, enabled):
-    if not enabled:
-        return _NoBar()
-    try:
-        return _Bar(total, start)
-    except ImportError:  # pragma: no cover
-        return _NoBar()

@@ -16,6 +16,8 @@ followed. `output_dir` itself may be a link the user made; it is resolved once, 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import FituneError
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,23 @@ class RunFolder:
         os.mkdir(tmp)
         return tmp
 
+    @contextlib.contextmanager
+    def writing(self, name: str):
+        """`with folder.writing("adapter") as tmp:` write into `tmp`; published on success. A write that fails (a full
+        disk) removes its `.tmp` and stops with what to do; the old `name` and the checkpoints stay as they were."""
+        tmp = self.fresh_dir(name)
+        try:
+            yield tmp
+        except Exception as exc:
+            try:
+                self.remove_tree(tmp)
+            except OSError:  # pragma: no cover - the next write of `name` removes it
+                pass
+            if isinstance(exc, FituneError):
+                raise
+            raise OutputDirError(write_failed_message(tmp[: -len(".tmp")], exc)) from None
+        self.publish(tmp)
+
     def publish(self, tmp: str) -> str:
         """Rename a complete `<name>.tmp` folder to `<name>`, replacing an older `<name>` (moved aside first, so a
         crash leaves one of the two complete)."""
@@ -111,7 +131,7 @@ class RunFolder:
                          len(lines) - len(kept), through_step)
                 write_file_atomic(self, METRICS_FILE, "".join(kept))
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW, 0o644)
-        return os.fdopen(fd, "a", encoding="utf-8")
+        return MetricsFile(os.fdopen(fd, "a", encoding="utf-8"), path)
 
     # ---- the lock -----------------------------------------------------------------------------------------
 
@@ -121,6 +141,69 @@ class RunFolder:
             return
         _release_lock(self.root, self._lock_fd)
         self._lock_fd = None
+
+
+class MetricsFile:
+    """metrics.jsonl open for appending; a failed write (a full disk) stops the run with what to do, not a traceback.
+
+    The lines of steps after the newest checkpoint are dropped and trained again on --resume, so a line lost here
+    loses nothing."""
+
+    def __init__(self, file, path: str):
+        self.file = file
+        self.path = path
+
+    def write(self, text: str) -> None:
+        try:
+            self.file.write(text)
+        except OSError as exc:
+            raise OutputDirError(write_failed_message(self.path, exc)) from None
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            raise OutputDirError(write_failed_message(self.path, exc)) from None
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:  # the buffered tail could not be written: those steps are trained again on --resume
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def write_failed_message(path: str, exc: BaseException, newest: str | None = "") -> str:
+    """What a failed write says: the cause (a full disk, most often), what stays, and the next step.
+
+    Args:
+        newest: the run's newest complete checkpoint; None when it has none yet; "" when not known here.
+    """
+    text = str(exc) or type(exc).__name__
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))) or \
+        any(sign in text for sign in ("No space left", "StorageFull", "Disk quota", "QuotaExceeded"))
+    then = "start the run again with --overwrite" if newest is None else "continue with --resume"
+    if full:
+        try:
+            free = f"{shutil.disk_usage(os.path.dirname(path)).free / GiB:.1f} GiB free now"
+        except OSError:
+            free = "free space unknown"
+        cause = f"the disk is full ({free})"
+        fix = f"free space there (older runs' folders, or `keep_checkpoints: 1` to keep fewer), then {then}"
+    else:
+        cause = f"{type(exc).__name__}: {text}"
+        fix = f"fix the cause, then {then}"
+    if newest is None:
+        kept = "No checkpoint of this run is complete yet"
+    else:
+        kept = (f"The newest complete checkpoint{', ' + newest + ',' if newest else ' in output_dir'} is untouched "
+                "and --resume continues from it (steps after it are trained again)")
+    return f"could not write {path}: {cause}. {kept}: {fix}"
 
 
 def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: bool = False) -> RunFolder:
@@ -157,14 +240,14 @@ def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: boo
             print(f"fitune: --overwrite: moved the previous contents of {output_dir} to {aside}", file=sys.stderr)
             _release_lock(aside, lock_fd)  # the lock file went with the folder
             lock_fd = folder._lock_fd = None
-            os.mkdir(root)
+            os.makedirs(root, exist_ok=True)  # another start may have made it meanwhile: the lock decides
             lock_fd = folder._lock_fd = _acquire_lock(root)
         _refuse_links_inside(folder)
         if not resume:
             folder.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
             write_file_atomic(folder, RUN_FILE, json.dumps(
                 {"run_id": folder.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config},
-                indent=2) + "\n")
+                indent=2) + "\n", newest=None)
         return folder
     except BaseException:
         if lock_fd is not None:
@@ -250,17 +333,25 @@ def _listdir(path: str) -> list[str]:
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def write_file_atomic(folder: RunFolder, name: str, text: str) -> str:
-    """Write `root/name` as `name.tmp` (created fresh, no link followed), fsync it, rename it over `name`."""
+def write_file_atomic(folder: RunFolder, name: str, text: str, newest: str | None = "") -> str:
+    """Write `root/name` as `name.tmp` (created fresh, no link followed), fsync it, rename it over `name`.
+
+    Raises:
+        OutputDirError: the write failed (a full disk); `newest` as in `write_failed_message`.
+    """
     final = folder.inside(name)
     tmp = folder.inside(name + ".tmp")
     if os.path.lexists(tmp):
         os.unlink(tmp)  # unlinks a link itself, never its target
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a full disk: `name` is untouched; the partial .tmp goes (a retry finds no stray file)
+        os.unlink(tmp)
+        raise OutputDirError(write_failed_message(final, exc, newest)) from None
     os.replace(tmp, final)  # replaces a link at `final` itself, never writes through it
     fsync_dir(folder.root)
     return final
@@ -329,6 +420,11 @@ def _acquire_lock(root: str) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = _read_holder(fd)
+            for _ in range(200):  # the holder writes its pid just after taking the lock: wait for it (<= 1 s)
+                if holder.get("pid"):
+                    break
+                time.sleep(0.005)
+                holder = _read_holder(fd)
             os.close(fd)
             who = f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder \
                 else "another process"

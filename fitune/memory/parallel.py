@@ -1,0 +1,429 @@
+"""Multi-GPU training, per rank: what each strategy divides over the GPUs, and the buffers it adds.
+
+`estimate()` models ONE rank (one GPU, one process). With `num_gpus` = 1 and `ddp` nothing here applies (a plain
+single-GPU step). Otherwise `RankLayout.of` says what stays resident on the rank (weights, adapters, optimizer
+state, gradient partitions, communication buffers, each divided as the strategy divides it), what lives in host
+memory, and what the driver's libraries take outside PyTorch's allocator; `RankStep` writes the strategy's
+temporaries onto the step's tape (all-gathered parameters, reduce-scatter buffers, ZeRO's buckets), so the same
+phase-wise replay and allocator model find the peak.
+
+The strategies (TrainSetup.strategy), N = num_gpus:
+- ddp (torch DistributedDataParallel, N > 1): nothing divided; the gradient buckets are a full extra copy of the
+  trainable gradients (`ddp_bucket_bytes`).
+- fsdp (PyTorch FSDP2, `fully_shard` on each decoder layer and on the root): parameters, gradients and optimizer
+  state / N; the current and the prefetched layer's parameters all-gathered (`fsdp_gathered_layers`), the root's
+  (embeddings, lm_head, final norm) gathered from forward to the end of backward, one layer's gradients in a
+  reduce-scatter buffer.
+- zero2 (DeepSpeed ZeRO stage 2): gradients and optimizer state (with its fp32 master copy) / N, the reduce bucket.
+- zero3 (ZeRO stage 3): parameters / N too, the current layer and the prefetch bucket gathered.
+- zero3_offload (ZeRO-3 with offload_param and offload_optimizer to the CPU): parameters, gradients and optimizer
+  state in pinned host memory (`host_bytes`); the GPU holds the working set.
+
+Categories added to the breakdown: `gathered_weights` (parameters all-gathered for compute) and `comm_buffers`
+(DDP buckets, reduce-scatter inputs, ZeRO's buckets).
+
+Not modelled: FSDP's per-parameter padding to a multiple of N (under N elements per tensor); ZeRO-3 keeping
+parameters gathered across the forward/backward turn (`stage3_max_reuse_distance`, at most
+`stage3_max_live_parameters`), and its small persistent parameters (`stage3_param_persistence_threshold`: the
+norms, kilobytes); the all-gather input copies (1/N of a layer). None of the multi-GPU numbers has been measured
+yet: the CLI and the planner mark them unvalidated.
+
+Pure Python; no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..setup import TrainSetup
+from ..specs.model import ModelSpec
+from ..units import MiB
+from . import weights
+from .optimizer import optimizer_state_bytes, optimizer_step_transient_bytes
+from .tape import ADAPTERS, GRADIENTS, OPTIMIZER, TRANSIENTS, WEIGHTS, Tape
+
+GATHERED = "gathered_weights"
+COMM = "comm_buffers"
+#: The categories multi-GPU strategies add to the breakdown (after tape.CATEGORIES).
+PARALLEL_CATEGORIES = (GATHERED, COMM)
+
+SHARDED_PARAMS = ("fsdp", "zero3", "zero3_offload")
+ZERO = ("zero2", "zero3", "zero3_offload")
+
+#: DDP's `bucket_cap_mb` default (torch.nn.parallel.DistributedDataParallel: 25 MiB) and the first bucket's size
+#: (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB).
+DDP_BUCKET_CAP_BYTES = 25 * MiB
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+#: DeepSpeed defaults (deepspeed/runtime/zero/config.py; https://www.deepspeed.ai/docs/config-json/): elements.
+#: Hugging Face's Trainer writes `auto` as hidden_size^2 (reduce) and 0.9 x hidden_size^2 (prefetch) instead.
+ZERO_REDUCE_BUCKET_ELEMENTS = 500_000_000
+ZERO3_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+#: DeepSpeed's defaults for `overlap_comm`: off for stage 2, on for stage 3 (two reduce buffers: double buffering).
+ZERO_OVERLAP_COMM = {"zero2": False, "zero3": True, "zero3_offload": True}
+#: ZeRO keeps an fp32 master copy of the trainable parameters next to the optimizer state (ZeRO paper, 3.1: K = 12
+#: bytes per parameter for mixed-precision Adam = 4 master + 4 momentum + 4 variance).
+ZERO_MASTER_BYTES = 4
+
+#: Device memory NCCL takes outside PyTorch's allocator once a communicator exists (its channel buffers,
+#: NCCL_BUFFSIZE = 4 MiB per channel and peer, and its proxy state). A GUESS until measured on the multi-GPU
+#: machine: public reports range from 200 MiB to 1 GiB per process; with NVLink SHARP (NVLS) it is larger.
+NCCL_OUTSIDE_ALLOCATOR_BYTES = 512 * MiB
+#: DeepSpeed's own device memory outside the allocator (the kernel images of its JIT-built ops: fused Adam,
+#: multi-tensor apply). A GUESS until measured.
+DEEPSPEED_OUTSIDE_ALLOCATOR_BYTES = 64 * MiB
+#: ZeRO-Offload's CPU Adam keeps, per trainable parameter and rank partition: the fp32 master (4), Adam's two fp32
+#: moments (8) and the fp32 gradient (4) in pinned host memory (ZeRO-Offload paper, arXiv:2101.06840, section 4.1).
+OFFLOAD_HOST_GRAD_BYTES = 4
+
+
+def is_parallel(setup: TrainSetup) -> bool:
+    """Anything but one GPU without a strategy: the single-GPU estimate stays exactly as it is."""
+    return setup.num_gpus > 1 or setup.strategy != "ddp"
+
+
+def sharded(nbytes: int, num_gpus: int) -> int:
+    """One rank's share of a tensor split N ways: ceil(bytes / N)."""
+    return -(-int(nbytes) // num_gpus)
+
+
+def ddp_bucket_bytes(trainable_grad_bytes: int) -> int:
+    """DDP's gradient buckets: with `gradient_as_bucket_view=False` (the default) a flat copy of every trainable
+    gradient, allocated when the model is wrapped and kept.
+
+    Source: torch.nn.parallel.DistributedDataParallel docs, `gradient_as_bucket_view`: "When set to True,
+    gradients will be views pointing to different offsets of allreduce communication buckets. This can reduce peak
+    memory usage, where the saved memory size will be equal to the total gradients size."
+    """
+    return int(trainable_grad_bytes)
+
+
+def ddp_bucket_sizes(trainable_grad_bytes: int) -> list[int]:
+    """The buckets one by one (the allocator rounds each): 1 MiB first, then `bucket_cap_mb` = 25 MiB each."""
+    left = ddp_bucket_bytes(trainable_grad_bytes)
+    sizes = []
+    cap = DDP_FIRST_BUCKET_BYTES
+    while left > 0:
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+        cap = DDP_BUCKET_CAP_BYTES
+    return sizes
+
+
+def fsdp_gathered_layers() -> int:
+    """Decoder layers whose unsharded parameters FSDP2 holds at once: the one computing and the one prefetched.
+
+    Source: PyTorch FSDP2 docs (torch.distributed.fsdp.fully_shard; the FSDP2 tutorial, "Prefetching"): forward
+    all-gathers the next layer while the current one computes (implicit prefetching through the all-gather stream),
+    and `reshard_after_forward=True` frees a layer's parameters after its forward; backward prefetches the previous
+    layer (explicit backward prefetch of 1) and frees each layer after its backward.
+    """
+    return 2
+
+
+def fsdp_root_gathered_bytes(model: ModelSpec, param_bytes: int) -> int:
+    """The root module's parameters (embeddings, lm_head when untied, final norm), unsharded from the forward's
+    start to the end of backward: FSDP2 does not reshard the root after forward ("the root FSDP state has its value
+    specially set to False", fully_shard docs, `reshard_after_forward`)."""
+    counts = weights.count_params(model)
+    return (counts.embedding + counts.lm_head + counts.final_norm) * param_bytes
+
+
+def zero_optimizer_state_bytes(optimizer: str, trainable_params: int, num_gpus: int) -> int:
+    """One rank's ZeRO optimizer partition: the fp32 master copy plus the optimizer's state at fp32, over N.
+
+    Formula: ceil(n / N) x (4 + state bytes per element); adamw: 4 + 8 = 12 = the ZeRO paper's K
+    (Rajbhandari et al. 2019, arXiv:1910.02054, section 3.1 and 5: "ZeRO-DP ... K = 12"). The partition is one flat
+    tensor, so Adafactor keeps an unfactored fp32 second moment (4 bytes). Paged 8-bit states live in managed
+    memory, outside the allocator (the master copy does not).
+    """
+    n = sharded(trainable_params, num_gpus)
+    if optimizer == "adafactor":
+        state = 4 * n
+    elif optimizer == "paged_adamw8bit":
+        state = 0
+    else:
+        state = optimizer_state_bytes(optimizer, [n], 4)
+    return ZERO_MASTER_BYTES * n + state
+
+
+def zero_reduce_bucket_bytes(strategy: str, grad_bytes_per_element: int) -> int:
+    """ZeRO's gradient reduce buffer(s): `reduce_bucket_size` elements in the gradients' dtype, allocated at the
+    start of each backward, two of them when `overlap_comm` (double buffering).
+
+    Source: deepspeed/runtime/zero/stage_1_and_2.py `backward()` (`buf_0 = torch.empty(int(self.reduce_bucket_size),
+    dtype=self.dtype)`, `buf_1` with overlap_comm); stage3.py keeps its `__ipg_bucket_flat_buffer` of the same size.
+    Defaults: DeepSpeed config docs (reduce_bucket_size 5e8; overlap_comm false for stage 2, true for stage 3).
+    """
+    buffers = 2 if ZERO_OVERLAP_COMM.get(strategy) else 1
+    return buffers * ZERO_REDUCE_BUCKET_ELEMENTS * grad_bytes_per_element
+
+
+def zero3_prefetch_bytes(next_layer_param_bytes: int, param_bytes_per_element: int) -> int:
+    """ZeRO-3's prefetch: up to `stage3_prefetch_bucket_size` elements (5e7) of the next module's parameters are
+    gathered while the current one computes (DeepSpeed config docs, "stage3_prefetch_bucket_size")."""
+    return min(next_layer_param_bytes, ZERO3_PREFETCH_BUCKET_ELEMENTS * param_bytes_per_element)
+
+
+def zero_offload_host_bytes(param_bytes: int, trainable_params: int, optimizer: str, num_gpus: int) -> dict[str, int]:
+    """Pinned host memory of one rank under ZeRO-3 with offload_param and offload_optimizer to the CPU.
+
+    weights: the rank's partition of the 16-bit parameters (ceil(bytes / N)); optimizer_states: the fp32 master
+    and the optimizer's fp32 state (`zero_optimizer_state_bytes`, paged 8-bit counted at 8-bit size here: on the CPU
+    nothing is paged); gradients: the fp32 gradient partition the CPU optimizer reads.
+    Source: ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840) section 4.1; DeepSpeed config docs, "offload_param",
+    "offload_optimizer".
+    """
+    opt = "adamw8bit" if optimizer == "paged_adamw8bit" else optimizer
+    return {
+        WEIGHTS: sharded(param_bytes, num_gpus),
+        OPTIMIZER: zero_optimizer_state_bytes(opt, trainable_params, num_gpus),
+        GRADIENTS: OFFLOAD_HOST_GRAD_BYTES * sharded(trainable_params, num_gpus),
+    }
+
+
+def outside_allocator_bytes(setup: TrainSetup) -> int:
+    """Device memory the communication libraries take outside PyTorch's allocator (they shrink its budget):
+    NCCL's communicator when N > 1, DeepSpeed's kernels under ZeRO. Both GUESSES (the constants above)."""
+    out = NCCL_OUTSIDE_ALLOCATOR_BYTES if setup.num_gpus > 1 else 0
+    if setup.strategy in ZERO:
+        out += DEEPSPEED_OUTSIDE_ALLOCATOR_BYTES
+    return out
+
+
+# ---- the layout of one rank ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one rank holds, in bytes, for a setup with a multi-GPU strategy (or ZeRO / FSDP on one GPU)."""
+
+    strategy: str
+    num_gpus: int
+    resident: dict[str, int]
+    """Bytes per category resident on the GPU before the step (weights and adapters divided or not, optimizer state
+    and gradient partitions, DDP buckets)."""
+    host: dict[str, int]
+    """Pinned host bytes per category (zero3_offload)."""
+    outside_allocator_bytes: int
+    layer_gather_bytes: int
+    """Unsharded parameters of one decoder layer (base weights and adapters), bytes."""
+    root_gather_bytes: int
+    head_gather_bytes: int
+    """ZeRO-3: lm_head (or the tied embedding) and the final norm, gathered around the loss."""
+    embed_gather_bytes: int
+    prefetch_bytes: int
+    """ZeRO-3: the prefetch bucket of the next layer."""
+    reduce_bucket_bytes: int
+    trainable_params: int
+    trainable_bytes: int
+    extra_blocks: tuple[int, ...] = field(default_factory=tuple)
+    """Resident allocations beyond the model's own tensors (DDP buckets, ZeRO's flat partitions), one per request."""
+
+    @property
+    def shards_params(self) -> bool:
+        return self.strategy in SHARDED_PARAMS
+
+    @property
+    def weight_divisor(self) -> int:
+        """1 (replicated), N (sharded), 0 (offloaded: none on the GPU)."""
+        if self.strategy == "zero3_offload":
+            return 0
+        return self.num_gpus if self.shards_params else 1
+
+    @classmethod
+    def of(cls, model: ModelSpec, setup: TrainSetup, weight_bytes: int, adapter_bytes: int, optimizer_bytes: int,
+           trainable_params: int, trainable_bytes: int, param_bytes: int) -> "RankLayout":
+        """The layout of one rank. `weight_bytes`, `adapter_bytes`, `optimizer_bytes`: the single-GPU residents;
+        `trainable_bytes`: bytes of the trainable parameters (= of their gradients); `param_bytes`: bytes per
+        element of the non-quantised weights (2 for bf16)."""
+        s, n = setup.strategy, setup.num_gpus
+        L = max(1, model.num_layers)
+        root = fsdp_root_gathered_bytes(model, param_bytes)
+        layer = (weight_bytes - root) // L + adapter_bytes // L
+        counts = weights.count_params(model)
+        grad_elem = max(1, trainable_bytes // max(1, trainable_params))
+        resident = {WEIGHTS: weight_bytes, ADAPTERS: adapter_bytes, OPTIMIZER: optimizer_bytes,
+                    GRADIENTS: 0, COMM: 0}
+        host: dict[str, int] = {}
+        extra: list[int] = []
+        if s == "ddp":
+            if n > 1:
+                resident[COMM] = ddp_bucket_bytes(trainable_bytes)
+                extra += ddp_bucket_sizes(trainable_bytes)
+        elif s == "fsdp":
+            resident[WEIGHTS] = sharded(weight_bytes, n)
+            resident[ADAPTERS] = sharded(adapter_bytes, n)
+            resident[OPTIMIZER] = sharded(optimizer_bytes, n)
+        else:  # ZeRO
+            if s != "zero3_offload":
+                state = zero_optimizer_state_bytes(setup.optimizer, trainable_params, n)
+                resident[OPTIMIZER] = state
+                resident[GRADIENTS] = sharded(trainable_bytes, n)  # the partition the reduced gradients land in
+                extra += [resident[GRADIENTS]]
+            else:
+                resident[WEIGHTS] = resident[ADAPTERS] = resident[OPTIMIZER] = 0
+                host = zero_offload_host_bytes(weight_bytes + adapter_bytes, trainable_params, setup.optimizer, n)
+            if s == "zero3":
+                resident[WEIGHTS] = sharded(weight_bytes, n)
+                resident[ADAPTERS] = sharded(adapter_bytes, n)
+        zero3 = s in ("zero3", "zero3_offload")
+        return cls(
+            strategy=s, num_gpus=n, resident=resident, host=host, outside_allocator_bytes=outside_allocator_bytes(setup),
+            layer_gather_bytes=layer if s in SHARDED_PARAMS else 0,
+            root_gather_bytes=root if s == "fsdp" else 0,
+            head_gather_bytes=(counts.lm_head or counts.embedding) * param_bytes + counts.final_norm * param_bytes
+            if zero3 else 0,
+            embed_gather_bytes=counts.embedding * param_bytes if zero3 else 0,
+            prefetch_bytes=zero3_prefetch_bytes(layer, param_bytes) if zero3 else 0,
+            reduce_bucket_bytes=zero_reduce_bucket_bytes(s, grad_elem) if s in ZERO and trainable_params else 0,
+            trainable_params=trainable_params, trainable_bytes=trainable_bytes, extra_blocks=tuple(extra),
+        )
+
+
+# ---- the step of one rank, on the tape ----------------------------------------------------------------------------
+
+
+class RankStep:
+    """Writes a strategy's temporaries onto the tape around the single-GPU step `estimate()` records.
+
+    Call order (estimate.py): `start_forward`, `after_embedding`, then per decoder layer `before_layer(i)` and
+    `after_layer(i)`, `before_head`, `start_backward`, `ag.backward()`, `end_backward`, and `optimizer_step` in
+    the optimizer phase. The hooks that must act during backward are recorded as custom autograd nodes, so they run
+    in backward's (reversed) order: after layer i's backward comes the node recorded before its forward.
+    """
+
+    def __init__(self, layout: RankLayout, ag, num_layers: int, optimizer: str):
+        self.lay = layout
+        self.ag = ag
+        self.optimizer = optimizer
+        self.tape: Tape = ag.tape
+        self.L = num_layers
+        self._gathered: dict[int, int] = {}  # layer -> tensor id of its gathered parameters
+        self._root: int | None = None
+        self._head: int | None = None
+        self._bucket: int | None = None
+        self._rs_held: int | None = None  # FSDP2 keeps the last reduce-scatter input until the next one is issued
+        self._sharded_grads: list[int] = []
+        self._done: set[int] = set()  # parameter gradients already reduced (per-layer hooks)
+
+    # ---- forward ----
+    def start_forward(self) -> None:
+        lay = self.lay
+        if lay.root_gather_bytes:
+            self._root = self.tape.alloc(lay.root_gather_bytes, GATHERED, "fsdp root: embeddings, lm_head, norm")
+        if lay.embed_gather_bytes:
+            self._root = self.tape.alloc(lay.embed_gather_bytes, GATHERED, "zero3: embedding gathered")
+
+    def after_embedding(self) -> None:
+        if self.lay.embed_gather_bytes:
+            self.tape.free(self._root)  # ZeRO-3 releases a module's parameters after its forward
+            self._root = None
+
+    def _gather(self, layer: int, label: str) -> None:
+        if 0 <= layer < self.L and layer not in self._gathered:
+            nbytes = self.lay.layer_gather_bytes
+            if self.lay.prefetch_bytes and label == "prefetch":
+                nbytes = self.lay.prefetch_bytes  # ZeRO-3 prefetches a bucket, not the whole layer
+            self._gathered[layer] = self.tape.alloc(nbytes, GATHERED, f"layer {layer} parameters ({label})")
+
+    def _release(self, layer: int) -> None:
+        tid = self._gathered.pop(layer, None)
+        self.tape.free(tid)
+
+    def _regather(self, layer: int) -> None:
+        """A layer whose prefetch bucket was partial (ZeRO-3) is completed when it runs."""
+        if self.lay.prefetch_bytes and layer in self._gathered \
+                and self.tape.size(self._gathered[layer]) < self.lay.layer_gather_bytes:
+            self._release(layer)
+        self._gather(layer, "gathered")
+
+    def before_layer(self, i: int) -> None:
+        if self.lay.strategy == "ddp":
+            return  # DDP's buckets are resident; autograd's gradients stay as on one GPU
+        if self.lay.layer_gather_bytes:
+            self._regather(i)
+            self._gather(i + 1, "prefetch")
+        mark = {}
+        self.ag.custom(lambda main, _o: self._after_layer_backward(main, i, mark), None, f"rank: layer {i} reduce")
+        self._mark = mark
+
+    def after_layer(self, i: int) -> None:
+        if self.lay.strategy == "ddp":
+            return
+        if self.lay.layer_gather_bytes and i < self.L - 1:
+            self._release(i)  # resharded after forward; the last layer is used at once by backward
+        mark = self._mark
+        self.ag.custom(lambda main, _o: self._before_layer_backward(main, i, mark), None, f"rank: layer {i} gather")
+
+    def before_head(self) -> None:
+        if self.lay.head_gather_bytes:
+            self._head = self.tape.alloc(self.lay.head_gather_bytes, GATHERED, "zero3: lm_head and norm gathered")
+
+    # ---- backward ----
+    def start_backward(self) -> None:
+        if self.lay.reduce_bucket_bytes:
+            self._bucket = self.tape.alloc(self.lay.reduce_bucket_bytes, COMM, "zero reduce bucket")
+
+    def _before_layer_backward(self, main, i: int, mark: dict) -> None:
+        if self.lay.layer_gather_bytes:
+            self._regather(i)
+            self._gather(i - 1, "prefetch")
+        mark["start"] = len(main.param_grads)
+
+    def _after_layer_backward(self, main, i: int, mark: dict) -> None:
+        if self.lay.layer_gather_bytes:
+            self._release(i)
+        self._reduce(main.param_grads[mark.get("start", len(main.param_grads)):], f"layer {i}")
+
+    def _reduce(self, grads: list[int], label: str) -> None:
+        """The gradients of one FSDP group (or ZeRO's bucketed ones) leave their full-size tensors."""
+        grads = [t for t in grads if t not in self._done]
+        self._done.update(grads)
+        live = [t for t in grads if self.tape.category_of(t) is not None]
+        nbytes = sum(self.tape.size(t) for t in live)
+        if not nbytes or self.lay.strategy == "ddp":
+            return
+        if self.lay.strategy == "fsdp":
+            # foreach_reduce: the unsharded gradients are copied into one reduce-scatter input, freed, and the
+            # output (1/N) becomes (or is added into) the sharded .grad
+            rs = self.tape.alloc(nbytes, COMM, f"reduce-scatter input ({label})")
+            self.tape.free(*live)
+            self._sharded_grads.append(self.tape.alloc(sharded(nbytes, self.lay.num_gpus), GRADIENTS,
+                                                       f"sharded gradient ({label})"))
+            self.tape.free(self._rs_held)
+            self._rs_held = rs
+        else:
+            self.tape.free(*live)  # ZeRO copies each gradient into its reduce bucket and drops it
+
+    def end_backward(self) -> None:
+        self._reduce(list(self.ag.param_grads), "root")
+        for layer in list(self._gathered):
+            self._release(layer)
+        self.tape.free(self._root, self._head, self._rs_held, self._bucket)
+        self._root = self._head = self._rs_held = self._bucket = None
+
+    # ---- optimizer ----
+    def optimizer_step(self) -> None:
+        """The optimizer phase of one rank (the tape's phase is already OPTIMIZER_STEP)."""
+        lay, tape, n = self.lay, self.tape, self.lay.num_gpus
+        opt = self.optimizer
+        if lay.strategy == "ddp":
+            tmp = tape.alloc(optimizer_step_transient_bytes(opt, lay.trainable_bytes), TRANSIENTS, "optimizer step")
+            tape.free(tmp)
+        elif lay.strategy == "fsdp":
+            tmp = tape.alloc(optimizer_step_transient_bytes(opt, sharded(lay.trainable_bytes, n)), TRANSIENTS,
+                             "optimizer step (sharded)")
+            tape.free(tmp)
+        elif lay.strategy in ("zero2", "zero3"):
+            # the 16-bit gradient partition is converted to fp32 for the step (stage_1_and_2.py
+            # `single_grad_partition`), the optimizer runs on the flat fp32 partition, and the updated 16-bit
+            # parameters are all-gathered into the flat parameter buffer in place (no separate bucket)
+            fp32_grads = tape.alloc(4 * sharded(lay.trainable_params, n), TRANSIENTS, "zero fp32 gradient partition")
+            tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sharded(lay.trainable_params, n)), TRANSIENTS,
+                             "optimizer step (fp32 partition)")
+            tape.free(tmp, fp32_grads)
+        # zero3_offload: the CPU runs the step; nothing on the GPU
+        tape.free(*self.ag.param_grads)  # zero_grad(set_to_none=True)
+        tape.free(*self._sharded_grads)
+        self._sharded_grads = []
