@@ -311,3 +311,17 @@ def test_a_resumed_run_drops_the_metrics_lines_it_trains_again(tmp_path):
     finally:
         folder.close()
     assert [json.loads(line)["step"] for line in open(os.path.join(folder.root, "metrics.jsonl"))] == [1, 2, 2, 3]
+
+
+def test_a_fresh_run_that_fails_before_its_first_step_can_simply_be_started_again(workspace, tmp_path, capsys):
+    """Bad data is found after the run took its folder: the folder keeps nothing of it (no run.json), so the
+    same command works once the data is fixed, without --overwrite."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "not a list of turns"}\n' * 3, encoding="utf-8")
+    out = tmp_path / "out"
+    yaml_path = _yaml(workspace, tmp_path, out, data={"path": str(bad), "format": "chat"})
+    assert main(["train", yaml_path, "--no-progress"]) == 2
+    assert not os.path.exists(out / "run.json")
+    yaml_path = _yaml(workspace, tmp_path, out, max_steps=1)
+    assert main(["train", yaml_path, "--no-progress"]) == 0
+    assert [s["step"] for s in _steps(out)] == [1]

@@ -47,8 +47,11 @@ def read_json(source: str, what: str = "INPUT"):
                           "`fitune estimate llama-3.1-8b --gpu rtx4090 --json > estimate.json`") from None
     except IsADirectoryError:
         raise FituneError(f"{what} {source} is a folder; only `fitune report train` takes a run folder") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FituneError(f"{what} {source}: cannot be read ({exc})") from None
+    except UnicodeDecodeError:
+        raise FituneError(f"{what} {source} is not UTF-8 text (a binary file?); pass what a fitune command printed "
+                          "with --json") from None
+    except OSError as exc:
+        raise FituneError(f"{what} {source}: cannot be read ({exc.strerror or exc})") from None
     if not text.strip():
         raise FituneError(f"{what} {name} is empty; pass the output of a command run with --json")
     try:

@@ -88,6 +88,10 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
         resume_from = ranks.broadcast(_resume_point(cfg, folder) if resume and main else None)
         return _train(cfg, folder, resume_from, fault, progress)
+    except BaseException:
+        if main and folder is not None and not resume:
+            folder.forget_if_nothing_trained()  # bad data or model: the same command may simply start again
+        raise
     finally:
         if folder is not None:
             folder.close()

@@ -135,6 +135,22 @@ class RunFolder:
 
     # ---- the lock -----------------------------------------------------------------------------------------
 
+    def forget_if_nothing_trained(self) -> bool:
+        """A fresh run that stopped before its first logged step (bad data, a model that does not load) leaves
+        nothing to resume: remove its run.json (and an empty metrics file) so that the same command can start again
+        without --overwrite. Returns whether it did; a folder with a checkpoint or a metrics line is left alone."""
+        metrics = self.inside(METRICS_FILE)
+        if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+            return False
+        checkpoints = self.inside("checkpoints")
+        if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+            return False
+        for name in (METRICS_FILE, RUN_FILE):
+            path = self.inside(name)
+            if os.path.isfile(path):
+                os.remove(path)
+        return True
+
     def close(self) -> None:
         """Release the folder (remove our lock file, then drop the flock)."""
         if self._lock_fd is None:
