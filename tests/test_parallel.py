@@ -44,9 +44,9 @@ def _config(workspace, name, **over) -> str:
     return write_config(str(root / f"{name}.yaml"), **doc)
 
 
-def _fitune_train(config: str, *flags: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _fitune_train(config: str, *flags: str, timeout: int = 240, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, CPU_RANKS_ENV: "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "fitune", "train", config, "--no-progress", *flags], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -203,3 +203,19 @@ def test_deepspeed_config_is_valid_for_deepspeed():
         assert parsed.train_micro_batch_size_per_gpu == 2 and parsed.gradient_accumulation_steps == 1
         assert parsed.gradient_clipping == 1.0 and parsed.bfloat16_config.enabled
         assert (parsed.zero_config.offload_param is not None) == (strategy == "zero3_offload")
+
+
+def test_zero3_on_two_cpu_ranks_trains_the_global_batch_as_one_process_does(workspace, one_process):
+    """DeepSpeed ZeRO-3 through the same command (DeepSpeed's CPU accelerator, gloo; about 40 s with its
+    shared-memory op built on the first run)."""
+    pytest.importorskip("deepspeed")
+    out = str(workspace[0] / "zero3")
+    run = _fitune_train(_config(workspace, "zero3"), "--gpus", "2", "--strategy", "zero3", timeout=400,
+                        env_extra={"DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ZeRO stage 3 over 2 ranks" in run.stdout + run.stderr
+    assert _losses(out) == pytest.approx(_losses(one_process), rel=1e-5)
+    ref, got = _adapter(one_process), _adapter(out)
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6)
