@@ -481,3 +481,25 @@ def test_plans_say_which_options_no_measurement_backs():
     odd = plain.replace(optimizer="sgd", dtype="fp32")
     assert unmeasured_reasons(odd, "llama") == ["this combination of options (lora, sgd, fp32, kernels torch, loss hf, "
                                                 "stack hf) not measured on a GPU yet"]
+
+
+def test_liger_is_used_by_default_once_it_is_installed(capsys, monkeypatch):
+    """Issue 14's "fast by default": with liger-kernel installed (found, not imported) the plan for a measured
+    architecture uses its kernels and says so; `--kernels torch` leaves them out; without it nothing changes."""
+    import importlib.util
+    import json
+
+    real = importlib.util.find_spec
+    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--json"]
+    rc, out, _ = _run(args, capsys)
+    assert rc == 0 and {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    rc, out, _ = _run(args, capsys)
+    doc = json.loads(out)
+    assert rc == 0 and {p["setup"]["kernels"] for p in doc["plans"]} == {"liger"}
+    assert any("liger-kernel is installed" in n for n in doc["notes"])
+    rc, out, _ = _run(args + ["--kernels", "torch"], capsys)
+    assert {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}
+    rc, out, _ = _run(["plan", "gemma-2-2b", "--gpu", "rtx4090", "--json"], capsys)  # not measured with Liger
+    assert {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}

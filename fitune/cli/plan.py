@@ -19,6 +19,8 @@ the search varies the micro-batch and gradient accumulation
 (their product stays the batch you ask for), activation checkpointing, attention and optimizer; with --data the
 sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
 packing is turned on when it removes at least 10 % of the padding. LoRA rank and targets stay as you give them.
+Liger's kernels are used when liger-kernel is installed (Llama and Qwen2, where they were measured; --kernels
+torch leaves them out).
 Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
 the full estimate), speed a model calibrated on 45 measured H200 steps (docs/plan.md).
 
@@ -87,6 +89,23 @@ def kept_setup(args) -> TrainSetup:
     return DEFAULT_SETUP.replace(**values)
 
 
+#: Architectures whose Liger kernels fitune measured (bench/results/issue12/options.jsonl, bench/results/issue5/):
+#: there the planner uses Liger by default once liger-kernel is installed.
+LIGER_BY_DEFAULT = ("llama", "qwen2")
+
+
+def _kernels(args, kept: TrainSetup, model) -> tuple[str, list[str]]:
+    """`--kernels` as given; without it, liger when the liger-kernel package is installed (found without importing
+    it: plan stays fast) and the architecture is one whose Liger kernels were measured, else torch."""
+    import importlib.util
+
+    if getattr(args, "cfg_kernels", None) is not None:
+        return kept.kernels, []
+    if model.model_type in LIGER_BY_DEFAULT and importlib.util.find_spec("liger_kernel") is not None:
+        return "liger", ["kernels: liger (liger-kernel is installed; --kernels torch leaves it out)"]
+    return "torch", []
+
+
 def run(args) -> int:
     import time
 
@@ -112,6 +131,7 @@ def run(args) -> int:
         if host_ram is None:
             raise ConfigError(f"--host-ram {args.host_ram}: write a 1024-based amount, e.g. 64GiB")
     kept = kept_setup(args)
+    kernels, kernel_notes = _kernels(args, kept, model)
     data, seq_len, data_notes = None, kept.seq_len_tokens, []
     if args.data:
         data, seq_len, data_notes = _read_data(args, model)
@@ -121,14 +141,14 @@ def run(args) -> int:
                       methods=methods, lora_rank=kept.lora_rank, lora_alpha=kept.lora_alpha,
                       lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
                       freeze_trainable_layers=kept.freeze_trainable_layers, attns=available_attns(),
-                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kept.kernels,
+                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kernels,
                       data=data, top=args.top)
     from .progress import progress_callback
 
     with progress_callback("plan: searching", "setup", enabled=not args.json) as progress:
         result = plan(req, progress=progress)
     elapsed = time.perf_counter() - t0
-    notes = data_notes + batch_notes
+    notes = kernel_notes + data_notes + batch_notes
     name = catalog_key(args.model)
     hf_id = model_catalog()[name].get("hf_id") if name else None
 
