@@ -166,10 +166,11 @@ def _yaml(workspace, out, **over) -> str:
 def _lines(out) -> list[dict]:
     """metrics.jsonl's complete lines (a kill can tear the last one)."""
     path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:  # not written yet, or moved aside this instant by a start with --overwrite
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def _run_id(out) -> str | None:
