@@ -238,6 +238,40 @@ def compact_snapshot(snapshot: dict) -> dict:
     return {"where": list(wheres), "events": events, "segments_at_end": segments}
 
 
+def measure_steps(model, opt, ids, record: dict, steps: int, snapshot_path: str | None,
+                  trace_first_step: bool) -> None:
+    """Run `steps` recipe steps and put their counters in `record`: the allocator state before them, each step's
+    phase peaks, the peaks over all of them, tokens/s (the fastest step after the first) and allocator retries.
+    With `snapshot_path`, a compact allocation trace is written there: of every step (`trace_first_step`: the
+    first step creates a full fine-tune's optimizer state) or of all but the first."""
+    import torch
+
+    batch, seq = ids.shape
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
+    record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
+    record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
+    if snapshot_path:
+        peaks = [] if trace_first_step else run_recipe_steps(model, opt, ids, steps=1, count_saved_on_last=False)
+        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+        peaks += run_recipe_steps(model, opt, ids, steps=steps - len(peaks))
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        with gzip.open(snapshot_path, "wt") as f:
+            json.dump(compact_snapshot(snapshot), f)
+        del snapshot
+    else:
+        peaks = run_recipe_steps(model, opt, ids, steps=steps)
+    stats = torch.cuda.memory_stats()
+    record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
+    record["steps"] = [asdict(p) for p in peaks]
+    record["peak_allocated_bytes"] = max(x for p in peaks for x in (
+        p.forward_peak_allocated_bytes, p.backward_peak_allocated_bytes, p.optimizer_peak_allocated_bytes))
+    record["peak_reserved_bytes"] = max(x for p in peaks for x in (
+        p.forward_peak_reserved_bytes, p.backward_peak_reserved_bytes, p.optimizer_peak_reserved_bytes))
+    record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+
+
 def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
               only: set[int] | None = None, snapshot_all: bool = False) -> None:
     import torch
@@ -281,31 +315,9 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
             ids = torch.randint(0, vocab, (batch, seq), device="cuda")
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_stats()
-            record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
-            record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
-            if snap and snapshot_dir:
-                peaks = run_recipe_steps(peft_model, opt, ids, steps=1, count_saved_on_last=False)
-                torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-                peaks += run_recipe_steps(peft_model, opt, ids, steps=steps - 1)
-                snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
-                with gzip.open(path, "wt") as f:
-                    json.dump(compact_snapshot(snapshot), f)
-                del snapshot
-            else:
-                peaks = run_recipe_steps(peft_model, opt, ids, steps=steps)
-            stats = torch.cuda.memory_stats()
-            record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
-            record["steps"] = [asdict(p) for p in peaks]
-            phase_peaks = [(p.forward_peak_allocated_bytes, p.forward_peak_reserved_bytes) for p in peaks]
-            phase_peaks += [(p.backward_peak_allocated_bytes, p.backward_peak_reserved_bytes) for p in peaks]
-            phase_peaks += [(p.optimizer_peak_allocated_bytes, p.optimizer_peak_reserved_bytes) for p in peaks]
-            record["peak_allocated_bytes"] = max(a for a, _ in phase_peaks)
-            record["peak_reserved_bytes"] = max(r for _, r in phase_peaks)
-            record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+            path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz") \
+                if snap and snapshot_dir else None
+            measure_steps(peft_model, opt, ids, record, steps, path, trace_first_step=False)
             record["num_alloc_retries_total"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             record["ok"] = True
             del opt, ids, trainable
@@ -379,31 +391,9 @@ def run_full_group(group: str, out_path: str, snapshot_dir: str | None, steps: i
             opt = build_optimizer(optimizer, trainable, lr=1e-5)
             ids = torch.randint(0, vocab, (batch, seq), device="cuda")
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_stats()
-            record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
-            record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
-            if snap and snapshot_dir:
-                torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-                peaks = run_recipe_steps(model, opt, ids, steps=steps)
-                snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz")
-                with gzip.open(path, "wt") as f:
-                    json.dump(compact_snapshot(snapshot), f)
-                del snapshot
-            else:
-                peaks = run_recipe_steps(model, opt, ids, steps=steps)
-            stats = torch.cuda.memory_stats()
-            record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
-            record["steps"] = [asdict(p) for p in peaks]
-            allocs = [x for p in peaks for x in (p.forward_peak_allocated_bytes, p.backward_peak_allocated_bytes,
-                                                 p.optimizer_peak_allocated_bytes)]
-            resvs = [x for p in peaks for x in (p.forward_peak_reserved_bytes, p.backward_peak_reserved_bytes,
-                                                p.optimizer_peak_reserved_bytes)]
-            record["peak_allocated_bytes"] = max(allocs)
-            record["peak_reserved_bytes"] = max(resvs)
-            record["tokens_per_s"] = batch * seq / min(p.step_time_s for p in peaks[1:] or peaks)
+            path = os.path.join(snapshot_dir, f"snap_{group.replace(':', '_')}_{i}.json.gz") \
+                if snap and snapshot_dir else None
+            measure_steps(model, opt, ids, record, steps, path, trace_first_step=True)
             record["ok"] = True
         except torch.OutOfMemoryError as exc:
             record["ok"] = False

@@ -160,39 +160,3 @@ def test_readme_accuracy_table_by_method_and_optimizer_matches():
 
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert method_table(measured_rows(ROOT)) in readme
-
-
-@pytest.mark.parametrize("trace, case", [("snap_llama-3.2-1b_full_0.json.gz", ("llama-3.2-1b:full", 0)),
-                                         ("snap_qwen2.5-1.5b_full_0.json.gz", ("qwen2.5-1.5b:full", 0))])
-def test_full_fine_tune_traces_replay_to_their_reserved_peak(trace, case):
-    """The allocator model fed a full fine-tune's measured trace (the optimizer state created in the first step,
-    full-size gradients) lands on the measured reserved peak: what the estimator's tape must then reproduce."""
-    import gzip
-    import json
-
-    from fitune.memory.allocator import CachingAllocatorModel
-    from fitune.memory.estimate import _resident_blocks, estimate
-    from fitune.memory.tape import OPTIMIZER
-    from fitune.setup import TrainSetup
-    from fitune.specs.model import load_model_spec
-
-    folder = os.path.join(ROOT, "bench", "results", "issue12")
-    rec = next(r for r in map(json.loads, open(os.path.join(folder, "full_recipe.jsonl")))
-               if (r["group"], r["case"]) == case)
-    spec, setup = load_model_spec(rec["model"]), TrainSetup.from_dict(rec, strict=False)
-    resident = {**estimate(spec, setup).resident_bytes, OPTIMIZER: 0}  # the state is in the trace
-    a = CachingAllocatorModel()
-    for i, n in enumerate(_resident_blocks(spec, setup, resident)):
-        a.malloc(-1 - i, n)
-    live, k = {}, 0
-    with gzip.open(os.path.join(folder, "snaps", trace), "rt") as f:
-        for action, addr, size, _ in json.load(f)["events"]:
-            if action == "alloc":
-                k += 1
-                live[addr] = k
-                a.malloc(k, size)
-            elif action == "free_completed" and addr in live:
-                a.release(live.pop(addr))
-    assert abs(a.peak_reserved - rec["peak_reserved_bytes"]) <= 0.01 * rec["peak_reserved_bytes"]
-    est = estimate(spec, setup)
-    assert abs(est.peak_reserved_bytes - rec["peak_reserved_bytes"]) <= 0.02 * rec["peak_reserved_bytes"]

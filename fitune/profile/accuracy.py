@@ -125,28 +125,24 @@ SOURCES = (
 )
 
 
-def measured_rows(root: str = ".") -> list[AccuracyRow]:
-    """Every committed measurement of SOURCES, compared with the estimate."""
+def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
     import os
 
-    rows: list[AccuracyRow] = []
-    for rel, kind in SOURCES:
-        path = os.path.join(root, rel)
-        rows += compare_profiles(path, root=root) if kind == "profile" else compare(path)
-    return rows
+    return [(rel, compare_profiles(os.path.join(root, rel), root=root) if kind == "profile"
+             else compare(os.path.join(root, rel))) for rel, kind in SOURCES]
+
+
+def measured_rows(root: str = ".") -> list[AccuracyRow]:
+    """Every committed measurement of SOURCES, compared with the estimate."""
+    return [r for _, rows in _rows_by_source(root) for r in rows]
 
 
 def measured_evidence(root: str = ".") -> dict:
     """The content of fitune/specs/data/measured.json (see fitune/plan/measured.py)."""
     from ..plan.measured import ALLOCATED_LIMIT_PCT, RESERVED_LIMIT_PCT, evidence_of
 
-    cases = []
-    import os
-
-    for rel, kind in SOURCES:
-        path = os.path.join(root, rel)
-        rows = compare_profiles(path, root=root) if kind == "profile" else compare(path)
-        cases += [(r.setup, r.model_type, r.allocated_error_pct, r.reserved_error_pct, rel) for r in rows]
+    cases = [(r.setup, r.model_type, r.allocated_error_pct, r.reserved_error_pct, rel)
+             for rel, rows in _rows_by_source(root) for r in rows]
     return {"about": "written by `python -m fitune.profile.accuracy --write-measured` from the GPU records under "
                      "bench/results/; see fitune/plan/measured.py",
             "limits": {"allocated_pct": ALLOCATED_LIMIT_PCT, "reserved_pct": RESERVED_LIMIT_PCT},
