@@ -373,7 +373,7 @@ def run_full_group(group: str, out_path: str, snapshot_dir: str | None, steps: i
         }
         if method == "freeze":
             record["freeze_trainable_layers"] = freeze_k
-        model = opt = ids = None
+        model = opt = ids = trainable = None  # all freed before the next case builds its model
         try:
             gc.collect()
             torch.cuda.empty_cache()
@@ -402,7 +402,7 @@ def run_full_group(group: str, out_path: str, snapshot_dir: str | None, steps: i
             record["ok"] = False
             record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
-            del model, opt, ids
+            del model, opt, ids, trainable  # `trainable` held the parameters: the next case started on them
             gc.collect()
             torch.cuda.empty_cache()
         record["versions"] = _versions()
