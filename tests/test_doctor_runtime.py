@@ -51,7 +51,9 @@ def train(tmp_path, callbacks, gradient_checkpointing: bool, steps: int = STEPS)
         save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
         gradient_checkpointing=gradient_checkpointing,
     )
-    transformers.Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(), callbacks=callbacks).train()
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=TokenData(), callbacks=callbacks)
+    trainer.train()
+    return trainer
 
 
 class PhaseProbe:
@@ -99,12 +101,22 @@ def test_trainer_without_checkpointing_runs_each_layer_once_and_finds_nothing(tm
 
 def test_trainer_leak_is_detected(tmp_path):
     cb = FituneCallback(limits=MonitorLimits(leak_window_steps=4, leak_min_growth_bytes=2 * MiB), write_report=True)
-    train(tmp_path, [cb, LeakEveryStep()], gradient_checkpointing=False)
+    trainer = train(tmp_path, [cb, LeakEveryStep()], gradient_checkpointing=False)
     (f,) = cb.findings
     assert f.rule == "memory-grows-every-step" and f.severity == "warning" and f.line is None
     assert "1.00 MiB per step" in f.message
     with open(tmp_path / "fitune_doctor.json", encoding="utf-8") as fh:
         assert [d["rule"] for d in json.load(fh)] == ["memory-grows-every-step"]
+    # in the Trainer's own logs too (trainer_state.json's log_history): no finding at first, the leak once seen
+    logged = [h for h in trainer.state.log_history if "fitune/findings" in h and "loss" in h]  # each step
+    assert len(logged) == STEPS and logged[0]["fitune/findings"] == 0 and logged[0]["fitune/finding_rules"] == []
+    assert logged[-1]["fitune/findings"] == 1 and logged[-1]["fitune/finding_rules"] == ["memory-grows-every-step"]
+
+
+def test_trainer_logs_carry_the_phase_peak(tmp_path):
+    trainer = train(tmp_path, [FituneCallback(memory_probe=PhaseProbe())], gradient_checkpointing=False)
+    logged = [h for h in trainer.state.log_history if "fitune/peak_allocated_gib" in h and "loss" in h]
+    assert len(logged) == STEPS and all(h["fitune/peak_allocated_gib"] == round(500 * MiB / 2**30, 3) for h in logged)
 
 
 # ---- plain loops ---------------------------------------------------------------------------------------------------

@@ -102,6 +102,19 @@ class FituneCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.monitor is not None and logs:
             self.monitor.record_loss(loss=logs.get("loss"), grad_norm=logs.get("grad_norm"))
+            self._put_in_trainer_logs(state, logs)
+
+    def _put_in_trainer_logs(self, state, logs: dict) -> None:
+        """The findings so far and the last step's peak, in the Trainer's own logs: numbers in `logs` (what the
+        loggers after this callback receive), and the findings' rule ids in `state.log_history` (trainer_state.json)."""
+        findings = self.monitor.findings()
+        numbers = {"fitune/findings": len(findings)}
+        last = self.monitor.steps[-1] if self.monitor.steps else None
+        if last is not None and last.phase_peak_bytes:
+            numbers["fitune/peak_allocated_gib"] = round(max(last.phase_peak_bytes.values()) / 2**30, 3)
+        logs.update(numbers)
+        if state.log_history:
+            state.log_history[-1].update(numbers, **{"fitune/finding_rules": sorted({f.rule for f in findings})})
 
     @_safe
     def on_train_end(self, args, state, control, **kwargs):
