@@ -91,3 +91,26 @@ def test_keep_outputs_holds_the_model_dtype_logits_through_backward():
 
     with pytest.raises(ConfigError, match="fitune's runner never keeps"):
         estimate(m, base.replace(keep_outputs=True, stack="fitune"))
+
+
+@pytest.mark.parametrize("changes", [{}, {"grad_checkpointing": "full", "grad_accum": 2}, {"method": "full"},
+                                     {"optimizer": "sgd"}])
+def test_the_replayed_tape_as_a_timeline(changes):
+    """`MemoryEstimate.timeline()`: bounded, in tape order, each point's split adding up, the estimate's peak and
+    every phase among its points."""
+    from fitune.memory import estimate
+    from fitune.memory.tape import TAPE_TIMELINE_POINTS
+
+    spec = load_model_spec("llama-3.2-1b")
+    est = estimate(spec, TrainSetup(**changes))
+    points = est.timeline()
+    assert 0 < len(points) <= TAPE_TIMELINE_POINTS < len(est.tape)
+    assert [p.event for p in points] == sorted({p.event for p in points})
+    assert all(sum(p.by_category.values()) == p.allocated_bytes for p in points)
+    assert max(p.allocated_bytes for p in points) == est.peak_allocated_bytes
+    for phase, ph in est.phases.items():
+        on_tape = [p.allocated_bytes for p in points if p.phase == phase]
+        if ph.at:  # a phase that only frees (SGD's step) peaks where it starts, before its first event
+            assert max(on_tape) == ph.peak_allocated_bytes
+    assert points[0].phase == "forward"
+    assert len(est.timeline(max_points=50)) <= 50 + 3 * len({p.phase for p in points}) * (1 + changes.get("grad_accum", 1))

@@ -73,24 +73,52 @@ def test_profile_json_keys_are_stable(tmp_path, capsys):
                         "tokens_per_step", "tokens_per_s", "mfu", "num_alloc_retries", "fragmentation_bytes", "oom",
                         "timeline"}
     assert set(doc["phases"]) == {"forward", "backward", "optimizer"}
-    assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown"}
+    assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "timeline"}
     # the memory timeline of the profiled steps: time order, every phase, the peak among the samples
     timeline = doc["timeline"]
     assert 0 < len(timeline) <= MAX_TIMELINE_POINTS
-    assert all(set(x) == {"t_s", "phase", "live_bytes", "allocated_bytes", "reserved_bytes"} for x in timeline)
+    assert all(set(x) == {"t_s", "phase", "live_bytes", "allocated_bytes", "reserved_bytes", "breakdown"}
+               for x in timeline)
     assert [x["t_s"] for x in timeline] == sorted(x["t_s"] for x in timeline)
     assert {"forward", "backward", "optimizer"} <= {x["phase"] for x in timeline}
     assert all(x["allocated_bytes"] is None and x["reserved_bytes"] is None for x in timeline)  # the CPU: no allocator
     peak = max(timeline, key=lambda x: x["live_bytes"])
     assert peak["live_bytes"] == doc["peak_allocated_bytes"] and peak["phase"] == doc["peak_phase"]
-    # --html draws that timeline: its points carry the JSON's numbers
+    # each sample split by category: the split adds up to the live bytes, and at the peak it is the peak's breakdown
+    assert all(sum(x["breakdown"].values()) == x["live_bytes"] for x in timeline)
+    assert set(timeline[0]["breakdown"]) == set(doc["breakdown"])
+    assert peak["breakdown"] == doc["breakdown"]
+    # the estimate's replayed tape: one step in tape order, its highest point the estimate's peak
+    tape = doc["estimate"]["timeline"]
+    assert all(set(p) == {"event", "phase", "label", "allocated_bytes", "breakdown"} for p in tape)
+    assert [p["event"] for p in tape] == sorted(p["event"] for p in tape)
+    assert max(p["allocated_bytes"] for p in tape) == doc["estimate"]["peak_allocated_bytes"]
+    assert all(sum(p["breakdown"].values()) == p["allocated_bytes"] for p in tape)
+    # --html draws both: the measured split as stacked areas, the tape as a line over the last step
     from test_report import check_marks, marks_of
 
     html = page.read_text()
-    assert "Memory over time" in html
+    assert "Memory over time" in html and 'data-series="estimate (replayed tape)"' in html
+    assert 'class="area" data-series="weights"' in html
     marks = marks_of(html).marks
-    assert any(m["key"].startswith("timeline.") and m["key"].endswith(".live_bytes") for m in marks)
+    keys = [m["key"] for m in marks]
+    assert any(k.startswith("timeline.") and ".breakdown." in k for k in keys)
+    assert any(k.startswith("estimate.timeline.") for k in keys)
     assert check_marks(marks, {"main": doc}) > 0
+
+
+def test_timeline_split_follows_relabels(tmp_path):
+    """Forward's survivors become saved_activations when backward starts and grads become gradients before the
+    optimizer: the running split moves their bytes, so every sample still adds up."""
+    path = _config(tmp_path)
+    spec = load_model_spec(path)
+    r = profile(spec, TrainSetup(batch_size=2, seq_len_tokens=64), source=path, steps=2, device="cpu")
+    samples = r.memory_timeline
+    assert all(sum(s.by_category) == s.live_bytes for s in samples)
+    backward = [s.breakdown() for s in samples if s.phase == "backward"]
+    optimizer = [s.breakdown() for s in samples if s.phase == "optimizer"]
+    assert max(b["saved_activations"] for b in backward) > 0
+    assert max(b["gradients"] for b in optimizer) > 0
 
 
 def _samples(n, phases=("forward", "backward", "optimizer"), per_phase=None):

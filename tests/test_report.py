@@ -254,8 +254,9 @@ def test_profile_page_draws_the_timeline_when_the_document_has_one():
     assert sum(1 for m in p.marks if m["key"].startswith("timeline.")) == 240
 
 
-def profile_timeline_doc(points: int = 2000) -> dict:
-    """The seeds' GPU profile with a timeline as `fitune profile --json` prints it on CUDA (a made-up shape)."""
+def profile_timeline_doc(points: int = 2000, split: bool = False) -> dict:
+    """The seeds' GPU profile with a timeline as `fitune profile --json` prints it on CUDA (a made-up shape); `split`:
+    each sample split by category and the estimate's replayed tape beside it, as fitune writes them now."""
     with open(PROFILE_GPU) as f:
         doc = json.load(f)
     phases = ("forward", "backward", "optimizer")
@@ -264,7 +265,41 @@ def profile_timeline_doc(points: int = 2000) -> dict:
         live = int((10 + 5 * (i % 400) / 400) * GiB)
         doc["timeline"].append({"t_s": round(0.0005 * i, 6), "phase": phases[i * 9 // points % 3], "live_bytes": live,
                                 "allocated_bytes": live + 300 * MiB, "reserved_bytes": 16 * GiB + (i // 400) * 256 * MiB})
+        if split:
+            acts = (live - 10 * GiB) * 2 // 3
+            doc["timeline"][-1]["breakdown"] = {
+                "weights": 10 * GiB - 64 * MiB, "adapter_weights": 64 * MiB, "gradients": 0, "optimizer_states": 0,
+                "saved_activations": acts, "logits_and_loss": 0, "transients": live - 10 * GiB - acts, "workspaces": 0}
+    if split:
+        doc["estimate"]["timeline"] = [
+            {"event": 10 * j, "phase": phases[j * 3 // 300], "label": f"t{j}", "allocated_bytes": (10 * GiB + j * 10 * MiB),
+             "breakdown": {"weights": 10 * GiB, "transients": j * 10 * MiB}} for j in range(300)]
     return doc
+
+
+def test_profile_page_stacks_the_categories_and_lays_the_tape_over_the_last_step():
+    doc = profile_timeline_doc(split=True)
+    html, p = _render_and_check("profile", doc)
+    for name in ("weights", "adapter weights", "saved activations", "transients"):
+        assert f'class="area" data-series="{name}"' in html
+    assert 'data-series="gradients"' not in html  # a category that stays empty is not drawn
+    assert 'data-series="estimate (replayed tape)"' in html and 'data-series="live tensors"' not in html
+    keys = {m["key"] for m in p.marks}
+    assert "timeline.0.breakdown.weights" in keys and "estimate.timeline.299.allocated_bytes" in keys
+
+
+def test_tape_lands_on_the_last_step_phase_by_phase():
+    from fitune.report.profile import tape_over_time
+
+    rows = [(0.0, "idle"), (1.0, "forward"), (2.0, "forward"), (3.0, "backward"), (5.0, "backward"),
+            (6.0, "optimizer"), (6.5, "idle"), (7.0, "forward"), (8.0, "backward"), (10.0, "optimizer"), (11.0, "idle")]
+    tape = [{"event": 0, "phase": "forward"}, {"event": 4, "phase": "forward"}, {"event": 5, "phase": "backward"},
+            {"event": 7, "phase": "backward"}, {"event": 9, "phase": "backward"}, {"event": 10, "phase": "optimizer"}]
+    assert tape_over_time(rows, tape) == [(7.0, 0), (8.0, 1), (8.0, 2), (9.0, 3), (10.0, 4), (10.0, 5)]
+    # SGD: the tape has no optimizer run; the measured optimizer run is left aside
+    assert tape_over_time(rows, tape[:5]) == [(7.0, 0), (8.0, 1), (8.0, 2), (9.0, 3), (10.0, 4)]
+    # two micro-batches on the tape, one in the measurement: nothing is drawn rather than a wrong overlay
+    assert tape_over_time(rows[:6], tape[:2] + tape[2:3] + tape[:2] + tape[2:3]) == []
 
 
 def test_profile_page_draws_allocated_and_reserved_from_the_json_timeline():

@@ -144,6 +144,38 @@ def test_profile_timeline_in_the_browser(open_page):
     assert chart.locator("g.series").count() == 3 and chart.locator("rect[data-band]").count() == 9
 
 
+def test_profile_timeline_by_category_with_the_tape_in_the_browser(open_page, tmp_path):
+    """A real CPU profile (`fitune profile --json`): the live bytes stacked by category, the estimate's replayed
+    tape over the last step, every point's number the JSON's."""
+    pytest.importorskip("torch")
+    import contextlib
+    import io
+
+    from fitune.cli.main import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 1000, "max_position_embeddings": 512}))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["profile", str(cfg), "--device", "cpu", "--seq-len", "64", "--steps", "2", "--json"]) == 0
+    for doc in (json.loads(buf.getvalue()), profile_timeline_doc(split=True)):
+        page, errors = open_page("profile", doc)
+        marks = _marks(page)
+        assert check_marks(marks, {"main": doc}) > 300
+        assert errors == []
+        _fits_1280(page)
+        chart = page.locator('figure.chart[data-chart="memory over time"]')
+        assert chart.locator("g.area").count() >= 3
+        tape = chart.locator('g.series[data-series="estimate (replayed tape)"] circle')
+        assert tape.count() >= 100
+        assert any(m["key"].startswith("estimate.timeline.") for m in marks)
+        # hovering a point of the tape names it
+        tape.last.hover()  # (points lie close together: the last one has none drawn over it)
+        assert "estimate (replayed tape) at seconds" in page.locator("#tip").text_content()
+
+
 def test_train_in_the_browser(open_page, tmp_path):
     doc = read_run(write_run(tmp_path / "run", steps=50))
     page, errors = open_page("train", doc, refresh_s=60)

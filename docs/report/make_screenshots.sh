@@ -17,6 +17,7 @@ $BIN/fitune report estimate "$WORK/estimate_ckpt.json" --measured bench/results/
 $BIN/fitune plan llama-3.1-8b --gpu rtx4090 --json > "$WORK/plan.json"
 $BIN/fitune report plan "$WORK/plan.json" -o "$WORK/plan.html"
 $BIN/fitune report profile bench/results/profile/seeds_ckpt_uncapped.json -o "$WORK/profile.html"
+$BIN/fitune report profile bench/results/profile/llama-3.2-1b_ckpt_timeline_cuda.json -o "$WORK/profile_timeline.html"
 script=tests/fixtures/doctor/scripts/checkpoint-reentrant.py
 $BIN/fitune doctor "$script" --json > "$WORK/doctor.json" || true   # exit 1: it has an error-severity finding
 $BIN/fitune report doctor "$WORK/doctor.json" --script "$script" -o "$WORK/doctor.html"
@@ -47,7 +48,6 @@ from fitune.specs.model import load_model_spec
 spec = load_model_spec(f"{work}/tiny/config.json")
 r = profile(spec, TrainSetup(batch_size=2, seq_len_tokens=64), source=f"{work}/tiny/config.json", steps=3, device="cpu")
 doc = r.to_json()
-doc["timeline"] = [list(x) for x in r.timeline]
 write_html("profile", doc, f"{work}/profile_cpu.html")
 PY
 $BIN/fitune train "$WORK/run.yaml" --no-progress > /dev/null 2>&1
@@ -65,6 +65,9 @@ with sync_playwright() as pw:
     for name in ("estimate", "estimate_measured", "plan", "profile", "profile_cpu", "train", "doctor"):
         page.goto(f"file://{work}/{name}.html")
         page.screenshot(path=f"{out}/{name}.png", full_page=True)
+    # the H200 profile's memory over time: by category, the allocator's counters, the estimate's tape
+    page.goto(f"file://{work}/profile_timeline.html")
+    page.locator('figure.chart[data-chart="memory over time"]').screenshot(path=f"{out}/profile_timeline.png")
     # plan #3 clicked: its row selected, its breakdown open
     page.goto(f"file://{work}/plan.html")
     page.locator('.plan-row[data-plan="2"] button').click()

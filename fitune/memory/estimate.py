@@ -27,7 +27,9 @@ TILE_TOKENS = 2048
 #: Rows per tile of fitune's lean RMSNorm (fitune.runtime.techniques.lean_norm.TILE_TOKENS).
 LEAN_NORM_ROWS = 8192
 from .tape import (ACTIVATIONS, ADAPTERS, CATEGORIES, FORWARD, GRADIENTS, LOGITS, OPTIMIZER,
-                   OPTIMIZER_STEP, TRANSIENTS, WEIGHTS, WORKSPACES, Event, Tape, replay)
+                   OPTIMIZER_STEP, TAPE_TIMELINE_POINTS, TRANSIENTS, WEIGHTS, WORKSPACES, Event, Tape,
+                   TapePoint, replay)
+from .tape import timeline as tape_timeline
 
 ALLOCATOR_OVERHEAD = "allocator_overhead"
 
@@ -68,6 +70,13 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default_factory=tuple)
     host_breakdown: dict[str, int] = field(default_factory=dict)
     """`host_bytes` by category (multi-GPU setups): offloaded_checkpoints, weights, gradients, optimizer_states."""
+    tape: list = field(default_factory=list, repr=False, compare=False)
+    """The step's tape (memory/tape.py `Event`s) that `phases` replays from `resident_bytes`."""
+
+    def timeline(self, max_points: int = TAPE_TIMELINE_POINTS) -> list[TapePoint]:
+        """The replayed tape: live bytes per category after each of at most `max_points` events, in tape order
+        (what `fitune profile --json` prints as `estimate.timeline`, drawn over the measured timeline)."""
+        return tape_timeline(self.tape, self.resident_bytes, max_points)
 
     @property
     def fits(self) -> bool | None:
@@ -311,6 +320,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         gpu=gpu,
         notes=tuple(notes),
         host_breakdown=host_breakdown,
+        tape=tape.events,
     )
 
 

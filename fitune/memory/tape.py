@@ -117,3 +117,58 @@ def replay(events: list[Event], start_live: dict[str, int]) -> dict[str, PhasePe
         if phase not in best:  # e.g. SGD's step: in place, no allocation; the gradients are still live
             best[phase] = at_start.get(phase) or PhasePeak(sum(start_live.values()), dict(live), "")
     return best
+
+
+TAPE_TIMELINE_POINTS = 600
+"""Points `timeline` keeps of a replayed tape (an 8B model's step has tens of thousands of events)."""
+
+
+@dataclass(frozen=True)
+class TapePoint:
+    """The live bytes after one event of the replayed tape."""
+
+    event: int
+    """The event's index in the tape."""
+    phase: str
+    label: str
+    """The tensor allocated or freed there."""
+    allocated_bytes: int
+    by_category: dict[str, int]
+
+
+def timeline(events: list[Event], start_live: dict[str, int],
+             max_points: int = TAPE_TIMELINE_POINTS) -> list[TapePoint]:
+    """The replayed tape as at most `max_points` points in tape order, keeping its shape: the first and the last
+    event of each run of one phase (its bands), each run's highest point (the phase peaks `replay` finds), and the
+    lowest and the highest point of equal slices of the tape. Retags move bytes between categories only and make
+    no point of their own."""
+    total = sum(start_live.values())
+    totals: list[int] = []
+    for ev in events:
+        total += ev.nbytes
+        totals.append(total)
+    usable = [i for i, ev in enumerate(events) if not ev.retag]
+    if not usable:
+        return []
+    keep: set[int] = set()
+    start = 0
+    for j in range(1, len(usable) + 1):  # runs of one phase among the usable events
+        if j == len(usable) or events[usable[j]].phase != events[usable[start]].phase:
+            run = usable[start:j]
+            keep.update((run[0], run[-1], max(run, key=totals.__getitem__)))
+            start = j
+    slices = max(1, (max_points - len(keep)) // 2)
+    if len(usable) > len(keep):
+        per = -(-len(usable) // slices)
+        for a in range(0, len(usable), per):
+            part = usable[a:a + per]
+            keep.update((min(part, key=totals.__getitem__), max(part, key=totals.__getitem__)))
+    live = dict.fromkeys(CATEGORIES, 0)
+    for k, v in start_live.items():
+        live[k] = live.get(k, 0) + v
+    points = []
+    for i, ev in enumerate(events):  # a second replay: the categories at the kept points only
+        live[ev.category] = live.get(ev.category, 0) + ev.nbytes
+        if i in keep:
+            points.append(TapePoint(i, ev.phase, ev.label, totals[i], dict(live)))
+    return points

@@ -87,6 +87,10 @@ def stop() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            try:  # every rank leaves together: a gloo rank whose peer already tore its pairs down can abort
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a peer that died already: leave anyway
+                pass
             dist.destroy_process_group()
     _CURRENT = Ranks()
 

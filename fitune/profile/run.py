@@ -53,6 +53,9 @@ class ProfileResult:
     memory_timeline: list = field(default_factory=list)
     """The timeline --json prints: at most tracker.MAX_TIMELINE_POINTS `Sample`s (tracker.downsample), with the
     allocator's allocated and reserved bytes on CUDA."""
+    estimate_timeline: list = field(default_factory=list)
+    """The estimate's replayed tape (memory/tape.py `TapePoint`s) for one step: what the report draws over the
+    measured timeline."""
 
     def to_json(self) -> dict:
         return {
@@ -65,7 +68,10 @@ class ProfileResult:
             "breakdown": self.breakdown,
             "estimate": {"peak_allocated_bytes": self.estimate_peak_allocated_bytes,
                          "peak_reserved_bytes": self.estimate_peak_reserved_bytes,
-                         "breakdown": self.estimate_breakdown},
+                         "breakdown": self.estimate_breakdown,
+                         "timeline": [{"event": p.event, "phase": p.phase, "label": p.label,
+                                       "allocated_bytes": p.allocated_bytes, "breakdown": p.by_category}
+                                      for p in self.estimate_timeline]},
             "difference_bytes": {k: self.breakdown.get(k, 0) - self.estimate_breakdown.get(k, 0)
                                  for k in self.estimate_breakdown if k != "allocator_overhead"},
             "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
@@ -73,7 +79,8 @@ class ProfileResult:
             "num_alloc_retries": self.num_alloc_retries, "fragmentation_bytes": self.fragmentation_bytes,
             "oom": self.oom,
             "timeline": [{"t_s": round(x.t_s, 6), "phase": x.phase, "live_bytes": x.live_bytes,
-                          "allocated_bytes": x.allocated_bytes, "reserved_bytes": x.reserved_bytes}
+                          "allocated_bytes": x.allocated_bytes, "reserved_bytes": x.reserved_bytes,
+                          "breakdown": x.breakdown()}
                          for x in self.memory_timeline],
         }
 
@@ -182,6 +189,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         timeline=[(s.t_s, s.phase, s.live_bytes) for s in tracker.samples],
         oom=oom,
         memory_timeline=downsample(tracker.samples),
+        estimate_timeline=est.timeline(),
     )
     del model, opt, ids
     gc.collect()

@@ -50,6 +50,12 @@ class Sample:
     between two reads (at most one every ALLOCATOR_READ_EVERY_S)."""
     reserved_bytes: int | None = None
     """CUDA (allocator_counters=True): the caching allocator's reserved bytes (its segments) at that moment."""
+    by_category: tuple[int, ...] | None = None
+    """`live_bytes` split by category, in the order of CATEGORIES (the categories of that moment: forward's
+    transients become saved_activations when backward starts, as at the peaks)."""
+
+    def breakdown(self) -> dict[str, int] | None:
+        return None if self.by_category is None else dict(zip(CATEGORIES, self.by_category))
 
 
 @dataclass
@@ -96,6 +102,8 @@ class MemoryTracker:
                 self.device_type = None
         self.live: dict[int, _Entry] = {}
         self.live_bytes = 0
+        self._category_bytes = dict.fromkeys(CATEGORIES, 0)
+        """Live bytes per category, kept as entries come, go and change category (the timeline's split)."""
         self.phase = "idle"
         self.phase_peaks: dict[str, PeakRecord] = {}
         self.samples: list[Sample] = []
@@ -256,6 +264,7 @@ class MemoryTracker:
                     f"{self.live_bytes} B live of a {self.cap_bytes} B cap")
             self.live[key] = _Entry(nbytes, category, self.phase, source)
             self.live_bytes += nbytes
+            self._category_bytes[category] = self._category_bytes.get(category, 0) + nbytes
             try:
                 self._refs[key] = weakref.ref(st, lambda _r, k=key: self._drop(k))
             except TypeError:  # storages that cannot be weakly referenced: kept (counted) until the end
@@ -269,6 +278,7 @@ class MemoryTracker:
             self._refs.pop(key, None)
             if e is not None:
                 self.live_bytes -= e.nbytes
+                self._category_bytes[e.category] -= e.nbytes
                 if self.timeline_enabled:
                     self.samples.append(self._sample(self.phase))
 
@@ -287,20 +297,27 @@ class MemoryTracker:
 
     def _sample(self, phase: str) -> Sample:
         t_s = time.perf_counter() - self._t0
+        split = tuple(self._category_bytes.values())
         if not self.allocator_counters or t_s - self._counters_read_s < ALLOCATOR_READ_EVERY_S:
-            return Sample(t_s, phase, self.live_bytes)
+            return Sample(t_s, phase, self.live_bytes, by_category=split)
         self._counters_read_s = t_s
         try:
             stats = self._torch.cuda.memory_stats_as_nested_dict()  # one call for both counters
         except Exception:  # noqa: BLE001 - a free seen while CUDA shuts down (a weakref callback at exit)
-            return Sample(t_s, phase, self.live_bytes)
+            return Sample(t_s, phase, self.live_bytes, by_category=split)
         return Sample(t_s, phase, self.live_bytes, stats["allocated_bytes"]["all"]["current"],
-                      stats["reserved_bytes"]["all"]["current"])
+                      stats["reserved_bytes"]["all"]["current"], split)
+
+    def _move(self, e: _Entry, category: str) -> None:
+        """Give a live entry another category (its bytes move with it)."""
+        self._category_bytes[e.category] -= e.nbytes
+        self._category_bytes[category] = self._category_bytes.get(category, 0) + e.nbytes
+        e.category = category
 
     def _relabel_forward_survivors(self) -> None:
         for e in self.live.values():
             if e.phase == "forward" and e.category == "transients":
-                e.category = "saved_activations"
+                self._move(e, "saved_activations")
 
     def _relabel_grads(self) -> None:
         if self.model is None:
@@ -309,7 +326,7 @@ class MemoryTracker:
             if p.grad is not None:
                 key = self._key(p.grad)
                 if key in self.live:
-                    self.live[key].category = "gradients"
+                    self._move(self.live[key], "gradients")
                 else:
                     self._add(p.grad, "gradients", "grad", count_peak=False)
 
@@ -322,7 +339,7 @@ class MemoryTracker:
                         isinstance(v, self._torch.Tensor) and v.dim() > 0):
                     key = self._key(v)
                     if key in self.live:
-                        self.live[key].category = "optimizer_states"
+                        self._move(self.live[key], "optimizer_states")
                     elif add:
                         self._add(v, "optimizer_states", "optimizer", count_peak=False)
 

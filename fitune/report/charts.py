@@ -181,6 +181,15 @@ def value_bars(rows: list[ValueBar], width: int = 1140, label_w: int | None = No
     return "".join(out)
 
 
+def _stack_tops(stack: list[Series]) -> list[list[tuple[float, float]]]:
+    """The top edge of each stacked area: the running sum of the series' values, point for point."""
+    tops: list[list[tuple[float, float]]] = []
+    for s in stack:
+        below = tops[-1] if tops else None
+        tops.append([(x, (below[j][1] if below else 0.0) + (y or 0.0)) for j, (x, y, _) in enumerate(s.points)])
+    return tops
+
+
 @dataclass
 class Series:
     name: str
@@ -191,11 +200,16 @@ class Series:
 
 
 def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, width: int = 560, height: int = 260,
-               x_label: str = "step", max_marks: int = 400, bands: list[tuple[float, float, str, str]] = ()) -> str:
+               x_label: str = "step", max_marks: int = 400, bands: list[tuple[float, float, str, str]] = (),
+               stack: list[Series] = (), stack_marks: int = 150) -> str:
     """A line chart over steps; every drawn point (at most `max_marks` per series, evenly picked) is a mark with
     its value. `bytes_axis` labels the y axis in the unit of its largest value. `bands`: shaded x ranges
-    (x0, x1, label, colour), e.g. the phases of a profiled step."""
+    (x0, x1, label, colour), e.g. the phases of a profiled step. `stack`: filled areas drawn under the lines, one
+    on top of the other (e.g. live bytes by category); their series share the same x values, point for point, and
+    each keeps at most `stack_marks` marks, placed on its area's top edge and carrying its own value."""
+    tops = _stack_tops(stack)
     pts = [(x, y) for s in series for x, y, _ in s.points if y is not None and math.isfinite(y)]
+    pts += [(x, y) for x, y in (tops[-1] if tops else [])]
     if not pts:
         return (f'<figure class="chart"><figcaption><b>{esc(title)}</b></figcaption>'
                 '<p class="notes">nothing recorded</p></figure>')
@@ -242,6 +256,22 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
         out.append(f'<text x="{sx(v):.1f}" y="{height - 20}" text-anchor="middle">{esc(format_value(v, 3))}</text>')
         v += x_step
     out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">{esc(x_label)}</text></g>')
+    for i, s in enumerate(stack):
+        top_edge = tops[i]
+        bottom_edge = tops[i - 1] if i else [(x, 0.0) for x, _ in top_edge]
+        poly = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in top_edge + bottom_edge[::-1])
+        out.append(f'<g class="area" data-series="{esc(s.name)}"><polygon points="{poly}" fill="{fill(s.color)}" '
+                   f'fill-opacity="0.75" stroke="none"/>')
+        every = max(1, math.ceil(len(s.points) / max(1, stack_marks)))
+        for j in sorted(set(range(0, len(s.points), every)) | {len(s.points) - 1}):
+            x, y, k = s.points[j]
+            if not y:
+                continue
+            shown = format_bytes(y) if bytes_axis else format_value(y)
+            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(top_edge[j][1]):.1f}" r="1.6" fill="{fill(s.color)}" '
+                       f'data-key="{esc(k)}" data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} '
+                       f"{esc(format_value(x))}: {esc(shown)}</title></circle>")
+        out.append("</g>")
     for s in series:
         good = [(x, y, k) for x, y, k in s.points if y is not None and math.isfinite(y)]
         if not good:
@@ -262,8 +292,14 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
                        f"{esc(shown)}</title></circle>")
         out.append("</g>")
     out.append("</svg>")
-    if len(series) > 1:
+    if stack:
         out.append('<div class="legend">' + "".join(
+            f'<span><span class="swatch" style="background:{s.color}"></span>{esc(s.name)}</span>'
+            for s in stack if any(y for _, y, _ in s.points)) + "</div>")
+    if len(series) > 1 or stack:
+        out.append('<div class="legend">' + "".join(
+            f'<span><span class="swatch line" style="border-top:3px {"dashed" if s.dash else "solid"} {s.color}">'
+            f'</span>{esc(s.name)}</span>' if stack else
             f'<span><span class="swatch" style="background:{s.color}"></span>{esc(s.name)}</span>'
             for s in series if s.points) + "</div>")
     out.append("</figure>")

@@ -44,6 +44,7 @@ td.nowrap { white-space: nowrap; }
 td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .swatch { display: inline-block; width: 12px; height: 12px; border-radius: 2px; margin-right: 6px;
           vertical-align: -1px; border: 1px solid rgba(0,0,0,.25); }
+.swatch.line { width: 18px; height: 0; border: none; border-radius: 0; vertical-align: 3px; }
 .hatch { background: repeating-linear-gradient(45deg, #999 0 3px, #fff 3px 6px); }
 svg { display: block; max-width: 100%; height: auto; font-family: inherit; }
 svg text { fill: var(--fg); font-size: 13px; }

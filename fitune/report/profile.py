@@ -58,7 +58,7 @@ def render(doc: dict) -> tuple[str, str]:
     timeline = doc.get("timeline") or []
     if timeline:
         out.append("<h2>Memory over time</h2>")
-        out.append(_timeline(timeline))
+        out.append(_timeline(timeline, est.get("timeline")))
 
     if doc.get("steps"):
         out.append("<h2>Speed and the allocator</h2><ul>")
@@ -86,18 +86,28 @@ def _secs(x) -> str:
     return "n/a" if x is None else f"{x:.3f} s"
 
 
-def _timeline(timeline: list) -> str:
-    """`timeline`: `fitune profile --json`'s samples ({t_s, phase, live_bytes, allocated_bytes, reserved_bytes}; the
-    allocator's two are null on the CPU), or [t_s, phase, live_bytes] triples (`ProfileResult.timeline`); the phases
-    shaded, one line per quantity recorded."""
+def _timeline(timeline: list, estimate: list | None = None) -> str:
+    """`timeline`: `fitune profile --json`'s samples ({t_s, phase, live_bytes, allocated_bytes, reserved_bytes,
+    breakdown}; the allocator's two are null on the CPU, `breakdown` absent before fitune 0.x wrote it), or
+    [t_s, phase, live_bytes] triples (`ProfileResult.timeline`). Drawn: the live bytes by category as stacked areas,
+    the allocator's allocated and reserved as lines, the phases shaded, and `estimate` (the estimate's replayed
+    tape, `estimate.timeline`) as a dashed line laid over the last measured step (`tape_over_time`)."""
+    stack: list[Series] = []
     if timeline and isinstance(timeline[0], dict):
         rows = [(float(x["t_s"]), x["phase"]) for x in timeline]
-        lines = [("reserved", "reserved_bytes", OKABE_ITO["vermillion"]),
-                 ("allocated", "allocated_bytes", OKABE_ITO["black"]),
-                 ("live tensors", "live_bytes", OKABE_ITO["blue"])]
+        lines = [("reserved", "reserved_bytes", OKABE_ITO["grey"], "2 2"),
+                 ("allocated", "allocated_bytes", "#555555", "")]
+        if not all(isinstance(x.get("breakdown"), dict) for x in timeline):
+            lines.append(("live tensors", "live_bytes", OKABE_ITO["blue"], ""))
+        else:
+            present = {k for x in timeline for k, v in x["breakdown"].items() if v}
+            stack = [Series(c.label, c.color, [(t, int(x["breakdown"].get(c.key, 0)), f"timeline.{i}.breakdown.{c.key}")
+                                               for i, ((t, _), x) in enumerate(zip(rows, timeline))])
+                     for c, _ in ordered({k: 0 for k in timeline[0]["breakdown"]}) if c.key in present]
         series = [Series(name, color, [(t, int(x[key]), f"timeline.{i}.{key}")
-                                       for i, ((t, _), x) in enumerate(zip(rows, timeline)) if x.get(key) is not None])
-                  for name, key, color in lines]
+                                       for i, ((t, _), x) in enumerate(zip(rows, timeline)) if x.get(key) is not None],
+                         dash)
+                  for name, key, color, dash in lines]
         series = [s for s in series if s.points]
     else:
         rows = [(float(t), phase) for t, phase, _ in timeline]
@@ -110,12 +120,62 @@ def _timeline(timeline: list) -> str:
             end = rows[i][0] if i < len(rows) else rows[i - 1][0]
             bands.append((rows[start][0], end, str(phase), PHASE_COLORS.get(phase, OKABE_ITO["grey"])))
             start = i
-    title = "memory over time" if len(series) > 1 else "live tensors over time"
-    chart = line_chart(series, title=title, bytes_axis=True, width=1140, height=300, x_label="seconds", bands=bands)
+    overlay = tape_over_time(rows, estimate or [])
+    if overlay:
+        series.append(Series("estimate (replayed tape)", OKABE_ITO["black"],
+                             [(t, int(estimate[j]["allocated_bytes"]), f"estimate.timeline.{j}.allocated_bytes")
+                              for t, j in overlay], dash="6 4"))
+    title = "memory over time" if len(series) > 1 or stack else "live tensors over time"
+    chart = line_chart(series, title=title, bytes_axis=True, width=1140, height=340 if stack else 300,
+                       x_label="seconds", bands=bands, stack=stack)
     keys = '<div class="legend">' + "".join(
         f'<span><span class="swatch" style="background:{c};opacity:.5"></span>{esc(p)}</span>'
         for p, c in PHASE_COLORS.items()) + "</div>"
-    return chart + keys
+    note = ""
+    if overlay:
+        note = ('<p class="notes">The dashed line is the estimate: the step fitune\'s estimator writes down op by op, '
+                "replayed, each phase of it spread over the time the last measured step spent in that phase (the tape "
+                "has an order, not a clock). Hover a point for its bytes.</p>")
+    elif estimate:
+        note = '<p class="notes">The estimate\'s tape is not drawn: its phases do not line up with the measured ones.</p>'
+    return chart + keys + note
+
+
+def tape_over_time(rows: list[tuple[float, str]], tape: list[dict]) -> list[tuple[float, int]]:
+    """Where each point of the estimate's tape falls on the measured clock: (t_s, index into `tape`).
+
+    The tape (`estimate.timeline`: {event, phase, ...}) covers one training step in order: runs of forward and
+    backward (one pair per micro-batch), then the optimizer. The measured `rows` ((t_s, phase) samples) cover every
+    profiled step. The tape's runs are matched, in order, with the last runs of the measurement of the same phases,
+    and within a run the tape's events are spread evenly over that run's time. Empty when they do not match."""
+    def runs(phases: list[str]) -> list[tuple[str, int, int]]:
+        out, start = [], 0
+        for i in range(1, len(phases) + 1):
+            if i == len(phases) or phases[i] != phases[start]:
+                out.append((phases[start], start, i - 1))
+                start = i
+        return out
+
+    if not rows or not tape:
+        return []
+    measured = [r for r in runs([p for _, p in rows]) if r[0] in PHASE_COLORS]
+    tape_runs = runs([str(p.get("phase")) for p in tape])
+    if measured and measured[-1][0] == "optimizer" and tape_runs[-1][0] != "optimizer":
+        measured = measured[:-1]  # an optimizer step that allocates nothing (SGD) leaves no run on the tape
+    if len(tape_runs) > len(measured):
+        return []
+    last = measured[len(measured) - len(tape_runs):]
+    if [p for p, _, _ in last] != [p for p, _, _ in tape_runs]:
+        return []
+    out = []
+    for (_, m0, m1), (_, a, b) in zip(last, tape_runs):
+        t0 = rows[m0][0]
+        t1 = rows[m1 + 1][0] if m1 + 1 < len(rows) else rows[m1][0]
+        e0, e1 = tape[a].get("event", a), tape[b].get("event", b)
+        for j in range(a, b + 1):
+            frac = 0.0 if e1 == e0 else (tape[j].get("event", j) - e0) / (e1 - e0)
+            out.append((t0 + frac * (t1 - t0), j))
+    return out
 
 
 def _oom(o: dict, marker) -> str:
