@@ -46,6 +46,18 @@ def test_measured_profiles_match_their_files(run):
     assert (run.cap_bytes, run.peak_allocated_bytes, run.peak_reserved_bytes, run.num_alloc_retries, run.oom) == now
 
 
+def test_retries_verdict_outcomes_are_the_measured_scripts():
+    """Recount, from the committed runs, how the scripts estimated "fits only with allocator retries" ended."""
+    counts = {"completed": 0, "out_of_memory": 0}
+    with open(os.path.join(ROOT, evidence.DOCTOR_SCRIPTS), encoding="utf-8") as f:
+        for r in map(json.loads, f):
+            e = r["estimate"]
+            if e["fits"] and e["retries_expected"] and r["status"] in ("ok", "oom"):
+                counts["completed" if r["status"] == "ok" else "out_of_memory"] += 1
+    assert counts == evidence.RETRIES_VERDICT_OUTCOMES
+    assert "1 completed and 3 ran out of memory" in evidence.retries_verdict_evidence("rtx4090")
+
+
 def test_estimated_evidence_is_computed_by_the_estimator():
     from fitune.memory import estimate
     from fitune.setup import TrainSetup

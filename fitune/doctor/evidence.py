@@ -97,6 +97,21 @@ SEEDS_NOCKPT_CAPPED = MeasuredProfile("bench/results/profile/seeds_nockpt_capped
                                       24842933760, 25113395200, 1, True)
 MEASURED_PROFILES = (SEEDS_CAPPED, SEEDS_UNCAPPED, SEEDS_NOCKPT_CAPPED)
 
+DOCTOR_SCRIPTS = "bench/results/doctor/doctor_scripts.jsonl"
+"""Forum scripts run as written on the H200 under a card's allocator cap (bench/results/doctor/COMMAND.md)."""
+RETRIES_VERDICT_OUTCOMES = {"completed": 1, "out_of_memory": 3}
+"""Of the scripts in DOCTOR_SCRIPTS whose estimate said "fits only with allocator retries" (allocated under the
+budget, reserved over it), how many completed and how many ran out of memory (tests/test_doctor_evidence.py
+recounts them from the file)."""
+
+
+def retries_verdict_evidence(gpu_name: str) -> str:
+    """What the measured forum scripts say about a "fits only with allocator retries" verdict."""
+    done, oom = RETRIES_VERDICT_OUTCOMES["completed"], RETRIES_VERDICT_OUTCOMES["out_of_memory"]
+    return (f"measured: of the {done + oom} forum scripts run as written under a 24 GB card's cap with this verdict, "
+            f"{done} completed and {oom} ran out of memory ({DOCTOR_SCRIPTS}): on the {gpu_name}, plan for it not "
+            "to fit, and take a fix below")
+
 
 def _peak(case: MeasuredCase) -> str:
     return f"{gib(case.peak_allocated_bytes)} peak allocated"

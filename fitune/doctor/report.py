@@ -134,6 +134,10 @@ def format_fixes(diagnosis) -> str:
     est = diagnosis.estimate
     gpu = est.gpu
     lines = []
+    if est.fits and est.retries_expected:
+        from .evidence import retries_verdict_evidence
+
+        lines += [_wrap(retries_verdict_evidence(gpu.name), "", "  "), ""]
     if diagnosis.needs_fix:
         if diagnosis.fixes:
             lines.append(f"what to change so that it fits the {gpu.name} (ranked as `fitune plan` ranks plans; "

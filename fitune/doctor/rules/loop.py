@@ -157,5 +157,34 @@ def eval_without_train(ix: ScriptIndex) -> Iterator[Hit]:
             break
 
 
+@rule("compiled-model-into-trainer", ERROR, "a torch.compile'd model handed to the Trainer")
+def compiled_model_into_trainer(ix: ScriptIndex) -> Iterator[Hit]:
+    """`model = torch.compile(model)` then `Trainer(model=model)`: the Trainer reads the columns to keep from
+    `model.forward`'s signature, which a compiled module's wrapper shows as `(*args, **kwargs)`; with
+    `remove_unused_columns` (the default) every column is dropped and the first step raises."""
+    compiled = {a.target: a for a in ix.assignments
+                if isinstance(a.value, ast.Call) and ix.dotted(a.value.func) in ("torch.compile", "compile")}
+    if not compiled:
+        return
+    for c in ix.trainer_calls:
+        arg = c.kw("model") if c.kw("model") is not None else c.arg(0)
+        if not isinstance(arg, ast.Name) or arg.id not in compiled:
+            continue
+        if any(ix.is_false(t.kw("remove_unused_columns")) for t in ix.training_args):
+            continue
+        a = compiled[arg.id]
+        yield Hit(a.line,
+                  f"`{arg.id}` is a torch.compile'd module handed to `{call_text(c)}` (line {c.line}). The Trainer "
+                  "keeps only the dataset columns `model.forward` names, and a compiled module's forward is "
+                  "`(*args, **kwargs)`: every column is removed and training stops at its first step with "
+                  "\"No columns in the dataset match the model's forward method signature\".",
+                  "let the Trainer compile: drop this line and pass torch_compile=True to TrainingArguments (or "
+                  "keep it and set remove_unused_columns=False)",
+                  "measured: tests/fixtures/doctor/forum/trainer_mistral_qlora_compile.py run as written on the "
+                  "H200 (transformers 5.17) stopped with that ValueError before its first step "
+                  "(bench/results/doctor/doctor_scripts.jsonl)")
+        return
+
+
 RULES = (empty_cache_in_loop, eval_without_no_grad, loss_kept_with_graph, outputs_kept_through_backward,
-         eval_without_train)
+         eval_without_train, compiled_model_into_trainer)
