@@ -208,7 +208,7 @@ def load_catalog_config(name: str) -> dict:
     raise SystemExit(f"model {name!r} not in the catalog")
 
 
-_KEEP = ("transformers/", "peft/", "bitsandbytes/", "bench/", "fitune/", "torch/nn/", "torch/optim/",
+_KEEP = ("deepspeed/", "transformers/", "peft/", "bitsandbytes/", "bench/", "fitune/", "torch/nn/", "torch/optim/",
          "torch/utils/checkpoint", "torch/autograd")
 
 

@@ -90,11 +90,26 @@ def test_zero_on_one_gpu_divides_nothing_but_has_its_copies_and_buckets(llama8b,
     n = trainable_param_count(llama8b, lora)
     assert z2.resident_bytes["weights"] == single.resident_bytes["weights"]
     assert z2.resident_bytes["optimizer_states"] == par.zero_optimizer_state_bytes("adamw", n, 1) == 12 * n
-    # the reduce bucket: 5e8 elements of the fp32 adapter gradients, one buffer (overlap_comm off in stage 2)
-    assert par.zero_reduce_bucket_bytes("zero2", 4) == 2_000_000_000
-    assert z2.phases["backward"].breakdown[par.COMM] == 2_000_000_000
-    assert z2.peak_allocated_bytes > single.peak_allocated_bytes
+    # DeepSpeed casts the adapters to bf16: half the single-GPU fp32 adapter bytes
+    assert z2.resident_bytes["adapter_weights"] == single.resident_bytes["adapter_weights"] // 2
+    # stage 2's reduce buckets: 5e8 elements of the bf16 gradients, two buffers (fitune sets overlap_comm), made at
+    # the first gradient - after the loss's backward, where this LoRA step peaks (measured: bench/results/zero/)
+    assert par.zero_reduce_bucket_bytes("zero2", 2) == 2_000_000_000
+    assert z2.phases["backward"].breakdown[par.COMM] == 0
+    assert abs(z2.peak_allocated_bytes - single.peak_allocated_bytes) < 0.01 * single.peak_allocated_bytes
+    assert any(ev.label == "zero reduce bucket" and ev.nbytes == 2_000_000_000 for ev in z2.tape)
+    # stage 3 keeps one bucket from initialisation on, and its gradient partitions; on one GPU it gathers nothing
+    z3 = estimate(llama8b, lora.replace(strategy="zero3"), a100)
+    assert z3.resident_bytes[par.COMM] == par.zero_reduce_bucket_bytes("zero3", 2) == 1_000_000_000
+    assert z3.resident_bytes["gradients"] == 2 * n
+    assert z3.phases["backward"].breakdown.get(par.GATHERED, 0) == 0
     assert z2.gpu.allocator_budget_bytes == a100.allocator_budget_bytes - par.DEEPSPEED_OUTSIDE_ALLOCATOR_BYTES
+
+
+def test_zero3_optimizer_steps_one_sub_group_at_a_time():
+    assert par.zero3_sub_group_elements([600_000_000, 500_000_000, 300_000_000], 1) == 1_100_000_000
+    assert par.zero3_sub_group_elements([600_000_000, 500_000_000, 300_000_000], 4) == 350_000_000
+    assert par.zero3_sub_group_elements([10, 20], 1) == 30
 
 
 def test_zero3_offload_puts_parameters_and_optimizer_state_on_the_host(llama8b, a100):

@@ -154,7 +154,9 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     layout = None
     if parallel_terms.is_parallel(setup):
         layout = parallel_terms.RankLayout.of(model, setup, weight_bytes, adapter_bytes, state_bytes_allocator,
-                                              trainable, trainable_bytes, w)
+                                              trainable, trainable_bytes, w,
+                                              _numels(adapters.trainable_tensor_shapes(model, setup))
+                                              if setup.method in ("full", "freeze") else None)
         resident = {**resident, **layout.resident}
 
     # ---- the step, op by op ----------------------------------------------------------------------------
@@ -280,6 +282,14 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         blocks = _resident_blocks(model, setup, {**resident, OPTIMIZER: 0})
     elif layout is None:
         blocks = _resident_blocks(model, setup, resident)
+    elif layout.strategy in ("zero2", "zero3") and layout.resident.get(OPTIMIZER):
+        # ZeRO: the flat fp32 master partition is made at initialisation; the optimizer's own state over it (one
+        # flat tensor per state) lazily by the first step, into what the backward left cached
+        n = parallel_terms.sharded(layout.trainable_params, layout.num_gpus)
+        master = parallel_terms.ZERO_MASTER_BYTES * n
+        lazy_state = [x for x in opt_terms.state_tensor_bytes(setup.optimizer, (n,), 4) if x]
+        blocks = _rank_blocks(_resident_blocks(model, setup, {**resident, OPTIMIZER: 0}), layout,
+                              optimizer_blocks=[master])
     else:
         blocks = _rank_blocks(_resident_blocks(model, setup, {**resident, OPTIMIZER: 0}), layout)
     reserved, _ = replay_reserved(blocks, tape.events, steps=allocator_steps,
@@ -343,7 +353,8 @@ def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: l
     return dataclasses.replace(gpu, allocator_budget_bytes=gpu.allocator_budget_bytes - outside)
 
 
-def _rank_blocks(blocks: list[int], layout: "parallel_terms.RankLayout") -> list[int]:
+def _rank_blocks(blocks: list[int], layout: "parallel_terms.RankLayout",
+                 optimizer_blocks: list[int] | None = None) -> list[int]:
     """The resident allocations of one rank: the model's tensors (`_resident_blocks`, in loading order; the two
     cuBLAS workspaces last) divided as the strategy shards them, then the optimizer state (one flat block: ZeRO's
     partition; FSDP's per-parameter shards taken together) and the strategy's own buffers."""
@@ -354,6 +365,8 @@ def _rank_blocks(blocks: list[int], layout: "parallel_terms.RankLayout") -> list
     elif d > 1:
         model_blocks = [parallel_terms.sharded(b, d) for b in model_blocks]
     state = [layout.resident[OPTIMIZER]] if layout.resident.get(OPTIMIZER) else []
+    if optimizer_blocks is not None:
+        state = optimizer_blocks
     return model_blocks + state + list(layout.extra_blocks) + workspaces
 
 

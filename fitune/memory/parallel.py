@@ -59,8 +59,12 @@ DDP_FIRST_BUCKET_BYTES = 1 * MiB
 ZERO_REDUCE_BUCKET_ELEMENTS = 500_000_000
 ZERO3_PREFETCH_BUCKET_ELEMENTS = 50_000_000
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-#: DeepSpeed's defaults for `overlap_comm`: off for stage 2, on for stage 3 (two reduce buffers: double buffering).
-ZERO_OVERLAP_COMM = {"zero2": False, "zero3": True, "zero3_offload": True}
+#: `overlap_comm` as fitune's DeepSpeed config sets it (fitune/parallel/deepspeed_config.py: on for every stage;
+#: DeepSpeed's own default is off for stage 2). Stage 2 then double-buffers its reduce bucket (two buffers).
+ZERO_OVERLAP_COMM = {"zero2": True, "zero3": True, "zero3_offload": True}
+#: ZeRO-3's optimizer runs over sub-groups of at most this many elements, one after the other (DeepSpeed config
+#: docs, "sub_group_size": 1e9): the fp32 gradient of one sub-group exists at a time.
+ZERO3_SUB_GROUP_ELEMENTS = 1_000_000_000
 #: ZeRO keeps an fp32 master copy of the trainable parameters next to the optimizer state (ZeRO paper, 3.1: K = 12
 #: bytes per parameter for mixed-precision Adam = 4 master + 4 momentum + 4 variance).
 ZERO_MASTER_BYTES = 4
@@ -148,15 +152,28 @@ def zero_optimizer_state_bytes(optimizer: str, trainable_params: int, num_gpus: 
 
 
 def zero_reduce_bucket_bytes(strategy: str, grad_bytes_per_element: int) -> int:
-    """ZeRO's gradient reduce buffer(s): `reduce_bucket_size` elements in the gradients' dtype, allocated at the
-    start of each backward, two of them when `overlap_comm` (double buffering).
+    """ZeRO's gradient reduce buffer(s): `reduce_bucket_size` elements in the gradients' (16-bit) dtype.
 
-    Source: deepspeed/runtime/zero/stage_1_and_2.py `backward()` (`buf_0 = torch.empty(int(self.reduce_bucket_size),
-    dtype=self.dtype)`, `buf_1` with overlap_comm); stage3.py keeps its `__ipg_bucket_flat_buffer` of the same size.
-    Defaults: DeepSpeed config docs (reduce_bucket_size 5e8; overlap_comm false for stage 2, true for stage 3).
+    Stage 2 allocates them when the first gradient of a backward arrives, two with `overlap_comm` (source:
+    deepspeed/runtime/zero/stage_1_and_2.py `setup_buckets`: `buf_0 = torch.empty(int(self.reduce_bucket_size),
+    ...)`, `buf_1` when overlap_comm). Stage 3 allocates one flat buffer per dtype once, at initialisation, and keeps
+    it (stage3.py: `bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype, ...)`).
+    Measured on one H200 (bench/results/zero/): Llama-3.1-8B LoRA under zero3 peaks 0.98 GiB above the same step
+    without DeepSpeed, the 0.93 GiB of one bf16 buffer of 5e8 elements plus the fp32 master and its partitions.
     """
-    buffers = 2 if ZERO_OVERLAP_COMM.get(strategy) else 1
+    buffers = 2 if strategy == "zero2" and ZERO_OVERLAP_COMM.get(strategy) else 1
     return buffers * ZERO_REDUCE_BUCKET_ELEMENTS * grad_bytes_per_element
+
+
+def zero3_sub_group_elements(tensor_numels: list[int], num_gpus: int) -> int:
+    """The largest of ZeRO-3's optimizer sub-groups, in elements of one rank's partition: parameters are taken in
+    order and a sub-group closes once it holds at least `sub_group_size` (stage3.py `_create_fp16_sub_groups`)."""
+    largest = current = 0
+    for n in tensor_numels:
+        current += sharded(n, num_gpus)
+        if current >= ZERO3_SUB_GROUP_ELEMENTS:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
 
 
 def zero3_prefetch_bytes(next_layer_param_bytes: int, param_bytes_per_element: int) -> int:
@@ -218,6 +235,11 @@ class RankLayout:
     trainable_params: int
     trainable_bytes: int
     extra_blocks: tuple[int, ...] = field(default_factory=tuple)
+    grad_partition_bytes: int = 0
+    """ZeRO-2: the 16-bit gradient partition the reduced gradients land in during backward (freed once the step
+    has its fp32 copy)."""
+    sub_group_elements: int = 0
+    """ZeRO-3: the largest optimizer sub-group (its fp32 gradient and the step's temporaries are per sub-group)."""
     """Resident allocations beyond the model's own tensors (DDP buckets, ZeRO's flat partitions), one per request."""
 
     @property
@@ -233,8 +255,10 @@ class RankLayout:
 
     @classmethod
     def of(cls, model: ModelSpec, setup: TrainSetup, weight_bytes: int, adapter_bytes: int, optimizer_bytes: int,
-           trainable_params: int, trainable_bytes: int, param_bytes: int) -> "RankLayout":
-        """The layout of one rank. `weight_bytes`, `adapter_bytes`, `optimizer_bytes`: the single-GPU residents;
+           trainable_params: int, trainable_bytes: int, param_bytes: int,
+           trainable_numels: list[int] | None = None) -> "RankLayout":
+        """The layout of one rank (`trainable_numels`: the trainable tensors' sizes in order, for ZeRO-3's
+        optimizer sub-groups). `weight_bytes`, `adapter_bytes`, `optimizer_bytes`: the single-GPU residents;
         `trainable_bytes`: bytes of the trainable parameters (= of their gradients); `param_bytes`: bytes per
         element of the non-quantised weights (2 for bf16)."""
         s, n = setup.strategy, setup.num_gpus
@@ -256,28 +280,46 @@ class RankLayout:
             resident[ADAPTERS] = sharded(adapter_bytes, n)
             resident[OPTIMIZER] = sharded(optimizer_bytes, n)
         else:  # ZeRO
-            if s != "zero3_offload":
-                state = zero_optimizer_state_bytes(setup.optimizer, trainable_params, n)
-                resident[OPTIMIZER] = state
-                resident[GRADIENTS] = sharded(trainable_bytes, n)  # the partition the reduced gradients land in
-                extra += [resident[GRADIENTS]]
-            else:
-                resident[WEIGHTS] = resident[ADAPTERS] = resident[OPTIMIZER] = 0
-                host = zero_offload_host_bytes(weight_bytes + adapter_bytes, trainable_params, setup.optimizer, n)
-            if s == "zero3":
+            # DeepSpeed casts every parameter to the 16-bit dtype (engine.py `_configure_distributed_model`): LoRA's
+            # fp32 adapters become bf16, their gradients too; the fp32 copy is the optimizer's master
+            lp = 2 if setup.dtype in ("bf16", "fp16") else 4
+            grad_elem = lp
+            adapter_lp = adapter_bytes * lp // 4 if setup.method in ("lora", "qlora") else adapter_bytes
+            part = sharded(trainable_params, n) * lp
+            if s == "zero2":
+                resident[OPTIMIZER] = zero_optimizer_state_bytes(setup.optimizer, trainable_params, n)
+                resident[ADAPTERS] = adapter_lp
+            elif s == "zero3":
+                resident[OPTIMIZER] = zero_optimizer_state_bytes(setup.optimizer, trainable_params, n)
                 resident[WEIGHTS] = sharded(weight_bytes, n)
-                resident[ADAPTERS] = sharded(adapter_bytes, n)
-        zero3 = s in ("zero3", "zero3_offload")
+                resident[ADAPTERS] = sharded(adapter_lp, n)
+                # the gradient partitions, one flat buffer kept for the run (stage3.py
+                # `grad_partitions_flat_buffer`), and the reduce bucket, kept as well
+                resident[GRADIENTS] = part
+                resident[COMM] = zero_reduce_bucket_bytes(s, grad_elem) if trainable_params else 0
+                extra += [b for b in (resident[GRADIENTS], resident[COMM]) if b]
+            else:  # zero3_offload: parameters, gradient partitions and optimizer on the host
+                resident[WEIGHTS] = resident[ADAPTERS] = resident[OPTIMIZER] = 0
+                resident[COMM] = zero_reduce_bucket_bytes(s, grad_elem) if trainable_params else 0
+                extra += [resident[COMM]] if resident[COMM] else []
+                host = zero_offload_host_bytes(weight_bytes + adapter_lp, trainable_params, setup.optimizer, n)
+        # ZeRO-3 on one GPU gathers nothing: the rank's partition is the whole parameter, used in place (measured:
+        # bench/results/zero/, Llama-3.1-8B LoRA zero3 peaks no higher than its buffers explain). With offload the
+        # parameters still come from the host into GPU buffers around each use.
+        zero3 = s == "zero3_offload" or (s == "zero3" and n > 1)
         return cls(
             strategy=s, num_gpus=n, resident=resident, host=host, outside_allocator_bytes=outside_allocator_bytes(setup),
-            layer_gather_bytes=layer if s in SHARDED_PARAMS else 0,
+            layer_gather_bytes=layer if s == "fsdp" or zero3 else 0,
             root_gather_bytes=root if s == "fsdp" else 0,
             head_gather_bytes=(counts.lm_head or counts.embedding) * param_bytes + counts.final_norm * param_bytes
             if zero3 else 0,
             embed_gather_bytes=counts.embedding * param_bytes if zero3 else 0,
             prefetch_bytes=zero3_prefetch_bytes(layer, param_bytes) if zero3 else 0,
-            reduce_bucket_bytes=zero_reduce_bucket_bytes(s, grad_elem) if s in ZERO and trainable_params else 0,
+            reduce_bucket_bytes=zero_reduce_bucket_bytes(s, grad_elem) if s == "zero2" and trainable_params else 0,
             trainable_params=trainable_params, trainable_bytes=trainable_bytes, extra_blocks=tuple(extra),
+            grad_partition_bytes=sharded(trainable_params, n) * grad_elem if s == "zero2" else 0,
+            sub_group_elements=zero3_sub_group_elements(trainable_numels or [trainable_params], n)
+            if s == "zero3" else 0,
         )
 
 
@@ -303,6 +345,7 @@ class RankStep:
         self._root: int | None = None
         self._head: int | None = None
         self._bucket: int | None = None
+        self._grad_partition: int | None = None
         self._rs_held: int | None = None  # FSDP2 keeps the last reduce-scatter input until the next one is issued
         self._sharded_grads: list[int] = []
         self._done: set[int] = set()  # parameter gradients already reduced (per-layer hooks)
@@ -362,8 +405,8 @@ class RankStep:
 
     # ---- backward ----
     def start_backward(self) -> None:
-        if self.lay.reduce_bucket_bytes:
-            self._bucket = self.tape.alloc(self.lay.reduce_bucket_bytes, COMM, "zero reduce bucket")
+        """ZeRO-2's buckets come with the first gradient (`_reduce`), not here: the loss's backward, the logits'
+        peak, runs before any parameter has a gradient."""
 
     def _before_layer_backward(self, main, i: int, mark: dict) -> None:
         if self.lay.layer_gather_bytes:
@@ -394,6 +437,11 @@ class RankStep:
             self.tape.free(self._rs_held)
             self._rs_held = rs
         else:
+            if self.lay.reduce_bucket_bytes and self._bucket is None:  # ZeRO-2 `setup_buckets` at the first gradient
+                self._bucket = self.tape.alloc(self.lay.reduce_bucket_bytes, COMM, "zero reduce bucket")
+            if self.lay.grad_partition_bytes and self._grad_partition is None:
+                self._grad_partition = self.tape.alloc(self.lay.grad_partition_bytes, GRADIENTS,
+                                                       "zero2 16-bit gradient partition")
             self.tape.free(*live)  # ZeRO copies each gradient into its reduce bucket and drops it
 
     def end_backward(self) -> None:
@@ -415,13 +463,23 @@ class RankStep:
             tmp = tape.alloc(optimizer_step_transient_bytes(opt, sharded(lay.trainable_bytes, n)), TRANSIENTS,
                              "optimizer step (sharded)")
             tape.free(tmp)
-        elif lay.strategy in ("zero2", "zero3"):
-            # the 16-bit gradient partition is converted to fp32 for the step (stage_1_and_2.py
-            # `single_grad_partition`), the optimizer runs on the flat fp32 partition, and the updated 16-bit
-            # parameters are all-gathered into the flat parameter buffer in place (no separate bucket)
+        elif lay.strategy == "zero2":
+            # the 16-bit gradient partition is converted to fp32 for the step and then dropped
+            # (stage_1_and_2.py `step`: `single_grad_partition` ... `.to(self.single_partition_of_fp32_groups[i].dtype)`,
+            # then `self.averaged_gradients[i] = None`); the optimizer runs on the flat fp32 partition and the updated
+            # 16-bit parameters are all-gathered into the flat parameter buffer in place
             fp32_grads = tape.alloc(4 * sharded(lay.trainable_params, n), TRANSIENTS, "zero fp32 gradient partition")
+            tape.free(self._grad_partition)
+            self._grad_partition = None
             tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sharded(lay.trainable_params, n)), TRANSIENTS,
                              "optimizer step (fp32 partition)")
+            tape.free(tmp, fp32_grads)
+        elif lay.strategy == "zero3":
+            # one optimizer sub-group at a time: its fp32 gradient, then the step on its fp32 partition
+            # (stage3.py `_prepare_fp32_grad_for_sub_group`, `_optimizer_step(sub_group_id)`)
+            sub = lay.sub_group_elements or sharded(lay.trainable_params, n)
+            fp32_grads = tape.alloc(4 * sub, TRANSIENTS, "zero3 fp32 gradient (one sub-group)")
+            tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sub), TRANSIENTS, "optimizer step (sub-group)")
             tape.free(tmp, fp32_grads)
         # zero3_offload: the CPU runs the step; nothing on the GPU
         tape.free(*self.ag.param_grads)  # zero_grad(set_to_none=True)

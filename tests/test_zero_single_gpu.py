@@ -1,0 +1,66 @@
+"""The estimator against the single-H200 DeepSpeed runs of issue 15 (bench/zero_single_gpu.py,
+bench/results/zero/zero.jsonl): `fitune train --gpus 1 --strategy S` for the seeds' Llama-3.1-8B LoRA and a
+Llama-3.2-1B full fine-tune, no allocator cap.
+
+The goal is 2 % on peak allocated and 5 % on peak reserved. Where the estimate is outside it the run is listed
+below with the error the README states, so that a change in either direction shows here."""
+
+import json
+import os
+
+import pytest
+
+from fitune.memory import estimate
+from fitune.setup import TrainSetup
+from fitune.specs.model import load_model_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results", "zero", "zero.jsonl")
+
+OUTSIDE_ALLOCATED = {"lora8b-zero3_offload": -0.056, "full1b-zero3_offload": -0.143}
+"""ZeRO-3 with offload: the GPU buffers the parameters are fetched into are not modelled well enough yet."""
+OUTSIDE_RESERVED = {"lora8b-zero3_offload": -0.546, "full1b-zero3_offload": -0.366, "full1b-zero2": 0.087,
+                    "full1b-zero3": -0.052}
+"""Reserved: with offload the blocks of the model built on the GPU before DeepSpeed moved it stay cached; the full
+fine-tunes' flat buffers are not replayed block for block."""
+
+
+def runs() -> list[dict]:
+    with open(RESULTS, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def setup_of(cfg: dict) -> TrainSetup:
+    kw = dict(method=cfg["method"], dtype=cfg["dtype"], seq_len_tokens=cfg["seq_len"], batch_size=cfg["batch_size"],
+              grad_checkpointing=cfg["grad_checkpointing"], attn=cfg["attn"], optimizer=cfg["optimizer"])
+    if cfg["method"] == "lora":
+        lora = cfg["lora"]
+        kw.update(lora_rank=lora["rank"], lora_alpha=lora["alpha"], lora_targets=tuple(lora["targets"]))
+    if "strategy" in cfg:
+        kw.update(num_gpus=cfg["gpus"], strategy=cfg["strategy"])
+    return TrainSetup(**kw)
+
+
+@pytest.mark.parametrize("run", runs(), ids=lambda r: r["run"])
+def test_estimate_against_the_single_gpu_zero_runs(run):
+    assert run["exit"] == 0 and len(run["steps"]) == 10
+    e = estimate(load_model_spec(run["config"]["model"]), setup_of(run["config"]))
+    alloc = e.peak_allocated_bytes / run["peak_allocated_bytes"] - 1
+    reserved = e.peak_reserved_bytes / run["peak_reserved_bytes"] - 1
+    name = run["run"]
+    if name in OUTSIDE_ALLOCATED:
+        assert alloc == pytest.approx(OUTSIDE_ALLOCATED[name], abs=0.002)
+    else:
+        assert abs(alloc) <= 0.02, f"{name}: allocated {alloc:+.1%}"
+    if name in OUTSIDE_RESERVED:
+        assert reserved == pytest.approx(OUTSIDE_RESERVED[name], abs=0.002)
+    else:
+        assert abs(reserved) <= 0.05, f"{name}: reserved {reserved:+.1%}"
+
+
+def test_the_runs_carry_what_the_readme_quotes():
+    """C14 / C24's figures (README, docs/evidence.md): steady tokens/s and peaks per run."""
+    by = {r["run"]: r for r in runs()}
+    assert set(by) == {f"{w}-{s}" for w in ("lora8b", "full1b") for s in ("none", "zero2", "zero3", "zero3_offload")}
+    assert round(by["lora8b-none"]["tokens_per_s_median"], -2) == 10000
+    assert round(by["full1b-zero3_offload"]["tokens_per_s_median"], -2) == 1800
