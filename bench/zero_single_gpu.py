@@ -23,7 +23,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import yaml  # noqa: E402
 
@@ -49,25 +48,6 @@ def estimate_of(cfg: dict) -> dict:
             "estimate_breakdown": est.breakdown}
 
 
-def compact_trace(pickle_path: str, out_path: str) -> str | None:
-    """PyTorch's snapshot (a pickle this bench's own run just wrote) reduced to bench/hf_recipe.py's compact
-    events; the pickle is removed."""
-    import gzip
-    import pickle
-
-    from hf_recipe import compact_snapshot
-
-    for path in (pickle_path, pickle_path + ".rank0"):
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                snap = pickle.load(f)  # noqa: S301 - written a moment ago by the run this script started
-            with gzip.open(out_path, "wt") as f:
-                json.dump(compact_snapshot(snap), f)
-            os.remove(path)
-            return os.path.basename(out_path)
-    return None
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -75,8 +55,6 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--timeout", type=float, default=240)
-    p.add_argument("--trace", default="", help="comma list of runs (lora8b-zero3_offload, ...) to record the CUDA "
-                   "allocator's history of (FITUNE_CUDA_TRACE), written compacted to --out/trace_RUN.json.gz")
     args = p.parse_args()
     work = os.path.join(args.out, "work")
     os.makedirs(work, exist_ok=True)
@@ -105,12 +83,8 @@ def main() -> int:
             print("###", name, " ".join(cmd), flush=True)
             before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
             t0 = time.time()
-            env = dict(os.environ)
-            trace = os.path.join(work, f"trace_{name}.pickle") if name in args.trace.split(",") else None
-            if trace:
-                env["FITUNE_CUDA_TRACE"] = trace
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 record["exit"], tail = proc.returncode, (proc.stdout[-1500:] + proc.stderr[-2500:])
             except subprocess.TimeoutExpired as exc:
                 record["exit"], tail = "timeout", str(exc)[-2000:]
@@ -127,8 +101,6 @@ def main() -> int:
                 record["peak_allocated_bytes"] = max(s["peak_allocated_bytes"] or 0 for s in steps)
                 record["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0 for s in steps)
             record["log_tail"] = tail
-            if trace:
-                record["trace"] = compact_trace(trace, os.path.join(args.out, f"trace_{name}.json.gz"))
             with open(results, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(json.dumps({k: record.get(k) for k in ("run", "exit", "wall_s", "tokens_per_s_median",

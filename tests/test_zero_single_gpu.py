@@ -21,8 +21,8 @@ OUTSIDE_ALLOCATED = {"lora8b-zero3_offload": -0.056, "full1b-zero3_offload": -0.
 """ZeRO-3 with offload: the GPU buffers the parameters are fetched into are not modelled well enough yet."""
 OUTSIDE_RESERVED = {"lora8b-zero3_offload": -0.546, "full1b-zero3_offload": -0.366, "full1b-zero2": 0.087,
                     "full1b-zero3": -0.052}
-"""Reserved: with offload the blocks of the model built on the GPU before DeepSpeed moved it stay cached; the full
-fine-tunes' flat buffers are not replayed block for block."""
+"""Reserved: with offload, most likely the blocks of the model built on the GPU before DeepSpeed moved it, still
+cached; the full fine-tunes' flat buffers are not replayed block for block."""
 
 
 def runs() -> list[dict]:

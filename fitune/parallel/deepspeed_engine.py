@@ -56,12 +56,6 @@ def initialize(engine, optimizer, s, cfg) -> ZeroOptimizer:
         dist_init_required=False)  # ranks.py joined the process group torchrun describes
     engine.step_model = ds_engine
     _ENGINE = ds_engine
-    import torch
-
-    if torch.cuda.is_available():
-        # the model was built whole on the GPU before DeepSpeed flattened, partitioned or offloaded it: hand the
-        # blocks it left cached back to the driver, so that they do not stay reserved through training
-        torch.cuda.empty_cache()
     log.info("deepspeed: ZeRO stage %d over %d ranks", ds_engine.zero_optimization_stage(), world_size())
     return ZeroOptimizer(ds_engine, ds_optimizer)
 

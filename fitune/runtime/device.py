@@ -87,33 +87,3 @@ def release_memory(device: str) -> None:
 
         torch.cuda.empty_cache()
 
-
-CUDA_TRACE_ENV = "FITUNE_CUDA_TRACE"
-"""`FITUNE_CUDA_TRACE=trace.pickle fitune train ...`: record the CUDA caching allocator's history of the run (every
-allocation, free and segment, with Python stacks) and write PyTorch's memory snapshot there at the end, for
-https://pytorch.org/memory_viz or offline attribution (bench/zero_single_gpu.py). In a multi-GPU run each rank writes
-`trace.pickle.rankN`. A diagnostic: it slows the run."""
-
-
-class cuda_trace:
-    """Context manager around a run: records the allocator's history when FITUNE_CUDA_TRACE is set (CUDA only)."""
-
-    def __init__(self, device: str, rank: int = 0, world_size: int = 1):
-        path = os.environ.get(CUDA_TRACE_ENV)
-        self.path = (f"{path}.rank{rank}" if world_size > 1 else path) if path and device == "cuda" else None
-
-    def __enter__(self):
-        if self.path:
-            import torch
-
-            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                                     max_entries=4_000_000)
-        return self
-
-    def __exit__(self, *exc):
-        if self.path:
-            import torch
-
-            torch.cuda.memory._dump_snapshot(self.path)
-            torch.cuda.memory._record_memory_history(enabled=None)
-        return False

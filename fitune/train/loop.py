@@ -87,11 +87,7 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
         if main:
             checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
         resume_from = ranks.broadcast(_resume_point(cfg, folder) if resume and main else None)
-        from ..runtime.device import cuda_trace, pick_device
-
-        r = ranks.current()
-        with cuda_trace(r.device or pick_device(), r.rank, r.world_size):  # FITUNE_CUDA_TRACE: the allocator's history
-            return _train(cfg, folder, resume_from, fault, progress)
+        return _train(cfg, folder, resume_from, fault, progress)
     except BaseException:
         if main and folder is not None and not resume:
             folder.forget_if_nothing_trained()  # bad data or model: the same command may simply start again
