@@ -255,7 +255,7 @@ def predict(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None,
             opt = 0.0  # the CPU steps (in `communication_s`)
         elif setup.strategy != "ddp":
             opt /= setup.num_gpus  # each rank updates its shard
-        comm = communication_s(model, setup, gpu, micro)
+        comm = communication_s(model, setup, gpu, micro) + zero3_fetch_overhead_s(model, setup)
     step = setup.grad_accum * micro + opt + comm
     tokens = setup.grad_accum * setup.batch_size * setup.seq_len_tokens
     return SpeedPrediction(step, micro, tokens, tokens / step, secs, opt, comm)
@@ -296,6 +296,27 @@ class CommBytes:
     """ZeRO-Offload: bytes over the host link (PCIe) per micro-batch, overlapped like `per_micro`."""
     host_params_stepped: float = 0.0
     """ZeRO-Offload: trainable parameters the CPU updates per step (this rank's partition)."""
+
+
+ZERO3_FETCH_S = 0.54e-3
+"""Seconds ZeRO-3 spends per parameter tensor and fetch beyond the transfer itself (its per-module hooks, the
+partition bookkeeping, the waits on its fetch events): measured on one H200, where nothing is transferred, as the
+step time zero3 adds over the same step without DeepSpeed divided by tensors x fetches: Llama-3.1-8B LoRA r8 q,v
+0.52 ms (419 tensors, 3 fetches), Llama-3.2-1B full fine-tune 0.57 ms (146 tensors, 3 fetches); their mean
+(bench/results/zero/zero.jsonl)."""
+
+
+def zero3_fetch_overhead_s(model: ModelSpec, setup: TrainSetup) -> float:
+    """ZeRO-3's fixed cost per step: every parameter tensor (frozen base weights included, and LoRA's A and B) is
+    fetched in each forward, again for the backward and, with checkpointing, for the recomputation; each fetch
+    costs ZERO3_FETCH_S. 0 for the other strategies."""
+    if setup.strategy not in ("zero3", "zero3_offload"):
+        return 0.0
+    tensors = len(adapter_terms.trainable_tensor_shapes(model, setup.replace(method="full")))
+    if setup.method in ("lora", "qlora"):
+        tensors += 2 * len(adapter_terms.lora_targets(model, setup)) * model.num_layers
+    fetches = 2 + (1 if setup.grad_checkpointing != "none" else 0)
+    return setup.grad_accum * tensors * fetches * ZERO3_FETCH_S
 
 
 def communication_bytes(model: ModelSpec, setup: TrainSetup) -> CommBytes:
