@@ -503,3 +503,22 @@ def test_liger_is_used_by_default_once_it_is_installed(capsys, monkeypatch):
     assert {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}
     rc, out, _ = _run(["plan", "gemma-2-2b", "--gpu", "rtx4090", "--json"], capsys)  # not measured with Liger
     assert {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}
+
+
+def test_pick_writes_the_plan_asked_for(tmp_path, capsys):
+    """`--write plan.yaml --pick N`: plan N of the list (what the GPU ranking check trains, one plan at a time)."""
+    import yaml
+
+    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    for n in (1, 3):
+        out = tmp_path / f"plan{n}.yaml"
+        assert main(args + ["--write", str(out), "--pick", str(n)]) == 0
+        doc = yaml.safe_load(out.read_text())
+        want = plans[n - 1]["setup"]
+        assert doc["batch_size"] == want["batch_size"] and doc.get("grad_accum", 1) == want["grad_accum"]
+        assert doc.get("loss", "hf") == want["loss"]
+    capsys.readouterr()
+    assert main(args + ["--write", str(tmp_path / "x.yaml"), "--pick", "4"]) == 2
+    assert "--pick 4" in capsys.readouterr().err

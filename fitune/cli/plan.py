@@ -66,6 +66,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
     p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config")
     p.add_argument("--emit", choices=("hf",), help="print the best plan as Hugging Face transformers + PEFT code")
+    p.add_argument("--pick", type=int, default=1, metavar="N",
+                   help="with --write / --emit: take plan N of the list instead of the first (1 to --top)")
     # The setup fields a plan keeps as given: the same flags (and names) as every other command.
     add_arguments(p, [k for k in SETUP_KEYS if k.field in KEPT_FIELDS], defaults=d.to_dict(),
                   group_title="kept as given (the same flags as fitune estimate / train)")
@@ -116,6 +118,8 @@ def run(args) -> int:
 
     from .common import check_output_file
 
+    if not 1 <= args.pick <= max(1, args.top):
+        raise ConfigError(f"--pick {args.pick}: give a plan number from 1 to --top ({args.top})")
     for flag, path in (("--write", args.write), ("--html", args.html)):
         if path is not None:
             check_output_file(path, flag, make_parents=flag == "--html")  # before the search, not after it
@@ -152,8 +156,11 @@ def run(args) -> int:
     name = catalog_key(args.model)
     hf_id = model_catalog()[name].get("hf_id") if name else None
 
+    if result.plans and args.pick > len(result.plans):
+        raise ConfigError(f"--pick {args.pick}: only {len(result.plans)} plan(s) fit; pick one of 1-{len(result.plans)}")
+    chosen = result.plans[args.pick - 1] if result.plans else None
     if args.write and result.plans:
-        text = plan_yaml(result.plans[0], req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
+        text = plan_yaml(chosen, req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
         with open(args.write, "w", encoding="utf-8") as f:
             f.write(text)
     from ..report import maybe_write_html
@@ -164,14 +171,14 @@ def run(args) -> int:
         if args.write and result.plans:
             doc["written"] = args.write
         if args.emit == "hf" and result.plans:
-            doc["hf_code"] = hf_code(result.plans[0], req, args.model, hf_id, args.data)
+            doc["hf_code"] = hf_code(chosen, req, args.model, hf_id, args.data)
         json.dump(doc, sys.stdout, indent=2)
         print()
         return 0 if result.plans else DoesNotFitError.exit_code
     if not result.plans:
         raise DoesNotFitError("nothing fits " + format_result(result, elapsed, notes))
     if args.emit == "hf":
-        print(hf_code(result.plans[0], req, args.model, hf_id, args.data), end="")
+        print(hf_code(chosen, req, args.model, hf_id, args.data), end="")
         return 0
     print(format_result(result, elapsed, notes))
     if args.write:

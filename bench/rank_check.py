@@ -1,0 +1,88 @@
+"""Issue 12's ranking check, along the user's path: `fitune plan ... --top 3`, then each of the three plans written
+with `--write plan.yaml --pick N` and trained with `fitune train` under the card's allocator cap (random weights,
+synthetic data). Does the measured order follow the predicted one; is plan 1 the fastest or within 5 %?
+
+    export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+    python3 bench/rank_check.py --out $OUT --workload seeds --steps 12
+
+One JSON line per plan in --out/rank_check.jsonl: the workload, the plan's number, its setup and predicted tokens/s,
+and the run's median tokens/s over steps 3 and later, its peaks and exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import yaml  # noqa: E402
+
+from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
+
+WORKLOADS = {
+    "seeds": ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2"],
+    "qlora32k": ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "32768", "--batch-size", "1", "--method", "qlora",
+                 "--lora-rank", "32", "--lora-targets", "all-linear"],
+    "full1b": ["llama-3.2-1b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "full"],
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--workload", default="seeds", choices=sorted(WORKLOADS))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--cap", default="rtx4090")
+    p.add_argument("--timeout", type=float, default=240)
+    args = p.parse_args()
+    work = os.path.join(args.out, "work", args.workload)
+    os.makedirs(work, exist_ok=True)
+    plan_args = WORKLOADS[args.workload] + ["--top", "3"]
+    model = plan_args[0]
+    seq = int(plan_args[plan_args.index("--seq-len") + 1])
+    words = synthetic_words(4000)
+    tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
+    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=seq + 50)
+    fitune = [sys.executable, "-m", "fitune"]
+    listing = subprocess.run(fitune + ["plan", *plan_args, "--json"], capture_output=True, text=True)
+    plans = json.loads(listing.stdout)["plans"] if listing.stdout.strip() else []
+    print("### plan:", [(p["rank"], round(p["tokens_per_s"])) for p in plans], listing.stderr[-500:], flush=True)
+    for n, planned in enumerate(plans, 1):
+        path = os.path.join(work, f"plan{n}.yaml")
+        subprocess.run(fitune + ["plan", *plan_args, "--write", path, "--pick", str(n)], capture_output=True,
+                       text=True, check=True)
+        cfg = yaml.safe_load(open(path))
+        cfg.pop("epochs", None)
+        cfg.update({"model": model, "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
+                    "max_steps": args.steps, "cap": args.cap, "output_dir": os.path.join(work, f"run{n}")})
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        try:
+            proc = subprocess.run(fitune + ["train", path, "--no-progress"], capture_output=True, text=True,
+                                  timeout=args.timeout)
+            code, tail = proc.returncode, proc.stdout[-800:] + proc.stderr[-1500:]
+        except subprocess.TimeoutExpired as exc:
+            code, tail = "timeout", str(exc)[-800:]
+        metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
+        steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        steps = [s for s in steps if "tokens_per_s" in s]
+        record = {"workload": args.workload, "plan": n, "setup": planned["setup"],
+                  "predicted_tokens_per_s": planned["tokens_per_s"], "exit": code, "steps": len(steps),
+                  "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps[2:]) if len(steps) > 2
+                  else None,
+                  "peak_allocated_bytes": max((s["peak_allocated_bytes"] or 0 for s in steps), default=None),
+                  "peak_reserved_bytes": max((s["peak_reserved_bytes"] or 0 for s in steps), default=None),
+                  "micro_batch_sizes": sorted({s["micro_batch_size"] for s in steps}), "log_tail": tail}
+        with open(os.path.join(args.out, "rank_check.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k not in ("setup", "log_tail")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
