@@ -6,14 +6,15 @@ data.py           padding, truncation, labels, packing
 checkpointing.py  gradient checkpointing that does not take effect or costs more than needed
 loop.py           the training loop: empty_cache, evaluation under autograd, losses kept alive
 adapters.py       LoRA targets and biases, the optimizer of a full fine-tuning
+engine.py         DeepSpeed ZeRO in a script that may run on one GPU
 """
 
 from __future__ import annotations
 
-from . import adapters, checkpointing, data, loading, loop, precision
+from . import adapters, checkpointing, data, engine, loading, loop, precision
 from .base import Hit, Rule
 
 ALL_RULES: tuple[Rule, ...] = (*loading.RULES, *precision.RULES, *data.RULES, *checkpointing.RULES, *loop.RULES,
-                               *adapters.RULES)
+                               *adapters.RULES, *engine.RULES)
 
 __all__ = ["ALL_RULES", "Hit", "Rule"]
