@@ -335,14 +335,8 @@ def run_group(group: str, out_path: str, snapshot_dir: str | None, steps: int,
                 del peft_model
             gc.collect()
             torch.cuda.empty_cache()
-        record["versions"] = _versions()
-        with open(out_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
-               f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
-               if record["ok"] else record["error"][:120])
-        print(f"[{group}] case {i} {record['lora_targets']} r{rank} b{batch} s{seq} ckpt={ckpt} {attn}: {msg}",
-              flush=True)
+        _record_case(out_path, record, f"[{group}] case {i} {record['lora_targets']} r{rank} b{batch} s{seq} "
+                                       f"ckpt={ckpt} {attn}")
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -405,17 +399,22 @@ def run_full_group(group: str, out_path: str, snapshot_dir: str | None, steps: i
             del model, opt, ids, trainable  # `trainable` held the parameters: the next case started on them
             gc.collect()
             torch.cuda.empty_cache()
-        record["versions"] = _versions()
-        with open(out_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
-               f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
-               if record["ok"] else record["error"][:120])
-        print(f"[{group}] case {i} {method} {optimizer} b{batch} s{seq} ckpt={ckpt}: {msg}", flush=True)
+        _record_case(out_path, record, f"[{group}] case {i} {method} {optimizer} b{batch} s{seq} ckpt={ckpt}")
 
 
 _VERSIONS: dict | None = None
 CAP: str | None = None  # the --cap of this run, recorded in every line
+
+
+def _record_case(out_path: str, record: dict, label: str) -> None:
+    """Append one case's record (with the stack's versions) to `out_path` and print its line."""
+    record["versions"] = _versions()
+    with open(out_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
+           f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
+           if record["ok"] else record["error"][:120])
+    print(f"{label}: {msg}", flush=True)
 
 
 def _versions() -> dict:
