@@ -39,6 +39,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--cap", default="rtx4090")
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--plans", type=int, default=3, help="train the first N of the top 3 plans")
     args = p.parse_args()
     work = os.path.join(args.out, "work", args.workload)
     os.makedirs(work, exist_ok=True)
@@ -52,7 +53,7 @@ def main() -> int:
     listing = subprocess.run(fitune + ["plan", *plan_args, "--json"], capture_output=True, text=True)
     plans = json.loads(listing.stdout)["plans"] if listing.stdout.strip() else []
     print("### plan:", [(p["rank"], round(p["tokens_per_s"])) for p in plans], listing.stderr[-500:], flush=True)
-    for n, planned in enumerate(plans, 1):
+    for n, planned in enumerate(plans[:args.plans], 1):
         path = os.path.join(work, f"plan{n}.yaml")
         subprocess.run(fitune + ["plan", *plan_args, "--write", path, "--pick", str(n)], capture_output=True,
                        text=True, check=True)
@@ -71,7 +72,7 @@ def main() -> int:
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
         steps = [s for s in steps if "tokens_per_s" in s]
-        record = {"workload": args.workload, "plan": n, "setup": planned["setup"],
+        record = {"workload": args.workload, "model": model, "plan": n, "setup": planned["setup"],
                   "predicted_tokens_per_s": planned["tokens_per_s"], "exit": code, "steps": len(steps),
                   "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps[2:]) if len(steps) > 2
                   else None,

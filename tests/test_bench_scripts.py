@@ -81,3 +81,43 @@ def test_throughput_runs_every_variant_on_a_tiny_model(tmp_path):
     assert all(x["fits"] and x["tokens_per_s"] > 0 for x in lines)
     fitune = [x for x in lines if x["stack"] == "fitune"]
     assert all(x["lean_lora"] and x["lean_norm"] and x["est_peak_allocated_bytes"] > 0 for x in fitune)
+
+
+def _py(args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_speed_calibration_runs_every_case_of_a_group_on_a_tiny_model(tmp_path):
+    """bench/speed_calibration.py (the throughput model's data) on a 2-layer copy of the model, on the CPU: every
+    case of the group writes a line with its whole setup and a median tokens/s."""
+    out = tmp_path / "speed.jsonl"
+    proc = _py(["bench/speed_calibration.py", "--model", "llama-3.2-1b", "--group", "lora", "--device", "cpu",
+                "--tiny", "--steps", "3", "--out", str(out)], ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    cases = _load("speed_calibration").cases("lora", "llama")
+    assert len(lines) == len(cases) and all(x["ok"] and x["tokens_per_s"] > 0 for x in lines)
+    assert [x["setup"]["grad_checkpointing"] for x in lines] == [c.grad_checkpointing for c in cases]
+    assert lines[-1]["setup"]["tiled_mlp"]  # the tiled MLP stays patched: it runs last
+
+
+def test_peer_scripts_run_on_a_tiny_model(tmp_path):
+    """bench/peers/: the model folder, the HF Trainer and the plain loop on the CPU (Unsloth and Liger need the GPU):
+    each writes one JSON line with the same fields."""
+    model = tmp_path / "tiny"
+    proc = _py(["bench/peers/make_model.py", "--out", str(model), "--device", "cpu", "--layers", "2", "--hidden",
+                "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "8192", "--rows", "8",
+                "--seq-len", "64"], ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "peers.jsonl"
+    for script, extra in (("hf_trainer", ["--grad-checkpointing", "full"]),
+                          ("hf_loop", ["--micro-batch", "1", "--grad-accum", "2"])):
+        proc = _py([f"bench/peers/{script}.py", "--model-dir", str(model), "--out", str(out), "--steps", "4",
+                    "--device", "cpu", "--cap", "", *extra], ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["stack"] for x in lines] == ["hf_trainer", "hf_loop"]
+    for x in lines:
+        assert x["fits"] is True and x["tokens_per_s"] > 0 and x["steps_done"] == 4
+    assert lines[1]["micro_batch_size"] == 1 and lines[1]["grad_accum"] == 2

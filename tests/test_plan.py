@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -133,12 +134,13 @@ def test_seeds_case_fits_micro_batch_two_with_fitunes_runner():
     allocator retries (estimate 21.95 GiB allocated, 23.64 GiB reserved; measured 21.99 / 23.73 GiB). fitune's
     runner (lean LoRA and RMSNorm, expandable segments) fits it without: 21.91 GiB allocated, its reserved peak
     under the budget, but within 5 % of it: that plan is marked tight and ranks after the same setup with the chunked
-    loss, predicted as fast with 6 GiB of room."""
+    loss, predicted as fast (its chunks' launches cost 0.02 %) with 6 GiB of room."""
     result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2, methods=("lora",)))
     best, plain = result.plans[0], result.plans[1]
     assert (best.setup.batch_size, best.setup.grad_checkpointing, best.setup.loss) == (2, "full", "chunked")
     assert (plain.setup.batch_size, plain.setup.grad_checkpointing, plain.setup.loss) == (2, "full", "hf")
-    assert plain.tight and not best.tight and best.trained_tokens_per_s == plain.trained_tokens_per_s
+    assert plain.tight and not best.tight
+    assert best.trained_tokens_per_s == pytest.approx(plain.trained_tokens_per_s, rel=0.005)
     for p in (best, plain):
         assert p.setup.lean_lora and p.setup.lean_norm and p.setup.expandable_segments
         assert not p.retries_expected and p.peak_reserved_bytes < resolve_gpu("rtx4090").allocator_budget_bytes
@@ -190,24 +192,49 @@ def test_request_errors_name_the_flag():
 
 
 def test_throughput_fit_from_the_committed_measurements():
+    """calibration.py is the fit to every committed measured step (regenerate: python -m fitune.plan.throughput):
+    the HF recipe's and fitune's own runner with its techniques, on several models."""
     from fitune.plan import calibration
 
-    measured = throughput.read_measurements(HF_RECIPE)
-    assert len(measured) == calibration.CASES == 45
-    result = throughput.fit(measured)
-    for k, v in result.coefficients.items():  # calibration.py is this fit (regenerate: python -m fitune.plan.throughput)
+    measured = throughput.calibration_measurements(ROOT)
+    assert len(measured) == calibration.CASES >= 120
+    runner = [m for m in measured if m.setup.stack == "fitune"]
+    assert len(runner) == calibration.RUNNER_CASES >= 70
+    # the runner's techniques are all in the data, on at least two models each
+    for technique in ("liger", "chunked", "offload", "tiled", "qlora", "lean_lora", "lean_norm", "full"):
+        models = {m.model.name for m in runner if {
+            "liger": m.setup.kernels == "liger", "chunked": m.setup.loss == "chunked",
+            "offload": m.setup.grad_checkpointing == "offload", "tiled": m.setup.tiled_mlp,
+            "qlora": m.setup.method == "qlora", "lean_lora": m.setup.lean_lora, "lean_norm": m.setup.lean_norm,
+            "full": m.setup.method == "full"}[technique]}
+        assert len(models) >= (1 if technique == "qlora" else 2), (technique, models)
+    result, loo = throughput.fit_report(measured)
+    for k, v in result.coefficients.items():
         assert v == pytest.approx(calibration.COEFFICIENTS[k], rel=1e-6, abs=1e-12), k
-    assert result.median_abs_error <= 0.25
-    assert result.median_abs_error == pytest.approx(calibration.MEDIAN_ABS_ERROR, abs=1e-4)
     assert result.coefficients["linear"] >= 1.0  # no matmul beats the datasheet peak
+    assert result.median_abs_error == pytest.approx(calibration.MEDIAN_ABS_ERROR, abs=1e-4)
+    assert statistics.median(abs(e) for e in loo) == pytest.approx(
+        calibration.LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR, abs=1e-4)
+    runner_loo = [e for m, e in zip(measured, loo) if m.setup.stack == "fitune"]
+    assert statistics.median(abs(e) for e in runner_loo) == pytest.approx(
+        calibration.RUNNER_LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR, abs=1e-4)
+    assert calibration.MEDIAN_ABS_ERROR <= 0.10 and calibration.RUNNER_LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR <= 0.15
 
 
-def test_throughput_out_of_sample_error():
-    """Each model predicted by a fit that never saw it."""
-    import statistics
-
-    errors = throughput.leave_one_model_out(throughput.read_measurements(HF_RECIPE))
-    assert statistics.median(abs(e) for e in errors) <= 0.25
+def test_liger_and_the_runner_techniques_change_the_prediction():
+    """The runner's techniques are terms of the model, not ignored: Liger's fused kernels launch fewer kernels and
+    move fewer bytes; offloaded checkpoints add host transfers; the chunked loss adds its chunks' launches."""
+    model = load_model_spec("llama-3.1-8b")
+    s = TrainSetup(batch_size=2, seq_len_tokens=2048, stack="fitune", lean_lora=True, loss="chunked")
+    torch_terms, liger_terms = throughput.step_terms(model, s), throughput.step_terms(model, s.replace(kernels="liger"))
+    assert liger_terms.activation_bytes < torch_terms.activation_bytes
+    assert liger_terms.launches < torch_terms.launches and liger_terms.triton_launches > 0 == torch_terms.triton_launches
+    full = throughput.step_terms(model, s.replace(grad_checkpointing="full"))
+    offload = throughput.step_terms(model, s.replace(grad_checkpointing="offload"))
+    assert full.host_bytes == 0 and offload.host_bytes == 2 * 4096 * model.hidden_size * 2 * model.num_layers
+    assert throughput.step_terms(model, s.replace(loss="hf")).launches < torch_terms.launches
+    peft = throughput.step_terms(model, s.replace(lean_lora=False))
+    assert peft.activation_bytes > torch_terms.activation_bytes  # PEFT's fp32 adapters cast their inputs
 
 
 def test_flop_terms_add_up_to_the_hardware_flops():
@@ -522,3 +549,12 @@ def test_pick_writes_the_plan_asked_for(tmp_path, capsys):
     capsys.readouterr()
     assert main(args + ["--write", str(tmp_path / "x.yaml"), "--pick", "4"]) == 2
     assert "--pick 4" in capsys.readouterr().err
+
+
+def test_docs_plan_error_table_matches_the_fit():
+    """docs/plan.md's per-model error table is the committed fit's (regenerate: python -m fitune.plan.throughput
+    --show)."""
+    measured = throughput.calibration_measurements(ROOT)
+    result, loo = throughput.fit_report(measured)
+    doc = open(os.path.join(ROOT, "docs", "plan.md"), encoding="utf-8").read()
+    assert throughput.error_table(measured, list(result.errors), loo) in doc

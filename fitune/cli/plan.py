@@ -22,7 +22,7 @@ packing is turned on when it removes at least 10 % of the padding. LoRA rank and
 Liger's kernels are used when liger-kernel is installed (Llama and Qwen2, where they were measured; --kernels
 torch leaves them out).
 Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
-the full estimate), speed a model calibrated on 45 measured H200 steps (docs/plan.md).
+the full estimate), speed a model calibrated on 127 measured H200 steps of 7 models (docs/plan.md).
 
 Output: the ranked plans (memory, predicted tokens/s, what each turns on), one line for each faster option that
 does not fit, and when nothing fits: the smallest requirement and the changes that would fit.
@@ -264,14 +264,14 @@ def _gib(n: int) -> str:
 
 
 def format_result(result, elapsed_s: float, notes=()) -> str:
-    from ..plan.search import describe
+    from ..plan.search import describe, kept_as_given
 
     req = result.request
     g = req.gpu
     lines = [("fitune plan: " if result.plans else "") + f"{req.model.name} on {g.name} "
              f"({_gib(g.allocator_budget_bytes)} for PyTorch's allocator)" + (f" x {req.num_gpus}" if req.num_gpus > 1 else ""),
-             f"  {req.batch_size} x {req.seq_len_tokens} tokens per step, {req.dtype}; LoRA r{req.lora_rank} on "
-             f"{','.join(req.lora_targets)} kept as given; searched {result.searched} setups "
+             f"  {req.batch_size} x {req.seq_len_tokens} tokens per step, {req.dtype}; "
+             f"{kept_as_given(req.methods, req.lora_rank, req.lora_targets)}; searched {result.searched} setups "
              f"({result.estimated_fast} extrapolated + {result.estimated_full} full estimates) in {elapsed_s:.2f} s"]
     if result.plans:
         lines.append("")

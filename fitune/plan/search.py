@@ -73,6 +73,14 @@ _ATTN_MEMORY = {"sdpa": 0, "eager": 1}  # flash is compared only with itself
 METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
 
 
+def kept_as_given(methods, lora_rank: int, lora_targets) -> str:
+    """What the plan keeps of the request, for its header: the adapter's rank and targets when a LoRA method may be
+    chosen, else the method(s) asked."""
+    if any(m in ("lora", "qlora") for m in methods):
+        return f"LoRA r{lora_rank} on {','.join(lora_targets)} kept as given"
+    return f"{' / '.join(METHOD_LABELS.get(m, m) for m in methods)} as asked"
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What the user asked: the model, the GPU(s), the sequence and the effective batch; what may vary."""
@@ -768,13 +776,15 @@ def _sharding_change(req: PlanRequest, minimum: FastEstimate) -> Change:
 def _notes(req: PlanRequest, plans: list[Plan]) -> list[str]:
     notes = []
     rates = throughput.gpu_rates(req.gpu)
-    from .calibration import MEDIAN_ABS_ERROR
+    from .calibration import CASES, LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR, MEDIAN_ABS_ERROR, MODELS
 
     where = (f"scaled to the {req.gpu.name} by its dense {'bf16' if req.gpu.supports_bf16 else 'fp16'} peak and memory "
              "bandwidth (an assumption)") if rates.scaled else (
         "on the H200 itself" if rates.name == req.gpu.name else
         f"with an H200's rates: {req.gpu.name} names no catalog GPU, so compare plans with each other, not with a clock")
-    notes.append(f"tokens/s: a model calibrated on 45 measured H200 steps (median error {MEDIAN_ABS_ERROR:.0%}), {where}")
+    notes.append(f"tokens/s: a model calibrated on {CASES} measured H200 steps of {len(MODELS)} models, fitune's runner "
+                 f"and the HF recipe (median error {MEDIAN_ABS_ERROR:.0%}; {LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR:.0%} "
+                 f"on a model left out of the fit), {where}")
     if req.num_gpus > 1:
         notes.append(f"--gpus {req.num_gpus}: searched DDP, FSDP and ZeRO-2/3 (and ZeRO-3 offload) on up to {req.num_gpus} "
                      f"GPUs; the batch of {req.batch_size} is split over the GPUs; memory is per GPU; communication is "

@@ -42,6 +42,7 @@ import json
 from dataclasses import dataclass
 
 from ..memory.estimate import TILE_TOKENS
+from ..memory.loss import CHUNK_TOKENS
 from ..memory import adapters as adapter_terms
 from ..memory import weights as weight_terms
 from ..perf.flops import forward_flops_per_token
@@ -53,13 +54,24 @@ from ..specs.model import ModelSpec
 CALIBRATION_GPU = "h200"
 
 #: The terms of the model, in the order of the coefficients.
-TERMS = ("linear", "attention", "launches", "checkpointed_layers", "activations", "eager_scores", "dequant")
+TERMS = ("linear", "attention", "launches", "triton_launches", "checkpointed_layers", "activations", "eager_scores",
+         "dequant", "host_transfers")
 
-#: Kernels one decoder layer launches in a forward pass without LoRA (norms, projections, RoPE, attention,
-#: activation, residuals: about 20 in transformers' Llama layer) and per LoRA-wrapped Linear (dropout/identity,
-#: A, B, scale, add). A structural guess; the fitted `c_launch` scales it.
-KERNELS_PER_LAYER = 20
+#: Kernels one decoder layer launches in a forward pass, by part (counted in transformers' Llama layer, 5.17):
+#: its RMSNorm is 7 element-wise kernels (upcast, pow, mean, add eps, rsqrt, multiply, downcast) plus the weight's
+#: multiply, RoPE about 6 per projection (two slices, a negation, a concatenation, two multiplies) and an add,
+#: SiLU and the product 2, the residual adds 2, attention about 4 (SDPA and the transposes around it), the 7
+#: projections, and 4 per LoRA-wrapped Linear (A, B, the scale, the add). Liger's kernels (kernels: liger) are one
+#: launch per RMSNorm, one for RoPE on q and k together, one for SiLU x up. Structural counts; the fitted `c_launch`
+#: turns them into seconds.
+KERNELS_NORM = {"torch": 8, "liger": 1}
+KERNELS_ROPE = {"torch": 13, "liger": 1}
+KERNELS_ACT = {"torch": 2, "liger": 1}
+KERNELS_OTHER = 2 + 4 + 7  # residual adds, attention, projections
 KERNELS_PER_LORA_TARGET = 4
+#: fitune's chunked loss: kernels per chunk of CHUNK_TOKENS (the chunk's matmul, log-softmax, gather, the gradient
+#: of cross-entropy, the hidden-state gradient's matmul, the weight gradient's), fitune/runtime/techniques/chunked_loss.py.
+KERNELS_PER_LOSS_CHUNK = 8
 
 #: The share of a micro-batch's compute spent in backward: 2 of the 3 forward-equivalents of a training step
 #: (Kaplan et al. 2020, C ~ 6N per token: 2N forward, 4N backward). DDP's all-reduce can hide behind it.
@@ -78,14 +90,20 @@ class StepTerms:
     linear_flops: float
     attention_flops: float
     launches: float
+    triton_launches: float
+    """Of the launches, Liger's Triton kernels: each costs more CPU time than an ATen kernel (Triton's Python
+    launcher)."""
     checkpointed_layers: float
     activation_bytes: float
     eager_score_bytes: float
     dequant_bytes: float
+    host_bytes: float = 0.0
+    """Bytes copied between the GPU and host memory: offloaded checkpoints out in forward and back in backward."""
 
     def as_tuple(self) -> tuple[float, ...]:
-        return (self.linear_flops, self.attention_flops, self.launches, self.checkpointed_layers, self.activation_bytes,
-                self.eager_score_bytes, self.dequant_bytes)
+        return (self.linear_flops, self.attention_flops, self.launches, self.triton_launches, self.checkpointed_layers,
+                self.activation_bytes,
+                self.eager_score_bytes, self.dequant_bytes, self.host_bytes)
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,8 @@ class Rates:
     name: str
     scaled: bool
     """True when the rates are another GPU's than the calibration's (the prediction is scaled)."""
+    host_bytes_s: float = DEFAULT_LINK_GB_S * 1e9
+    """The GPU's link to host memory, bytes/s each way (the catalog's PCIe generation)."""
 
 
 @dataclass(frozen=True)
@@ -159,17 +179,15 @@ def step_terms(model: ModelSpec, setup: TrainSetup) -> StepTerms:
     bwd_layers = L if s.method != "freeze" else min(s.freeze_trainable_layers, L)
 
     targets = adapter_terms.lora_targets(m, s)
-    lora_io = sum(lin_.in_features + lin_.out_features for lin_ in m.linears(False) if lin_.name in targets)
-    kernels = KERNELS_PER_LAYER + KERNELS_PER_LORA_TARGET * len(targets)
-    launches = kernels * (L * fwd + 2 * bwd_layers)  # backward launches about twice the forward's kernels
-
-    # element-wise traffic per token and layer in one forward pass (bytes): each norm reads h and writes h in
-    # fp32 (~4h elements), two residual adds (3h each), RoPE on q and k (3 x (q + kv)), the gated activation
-    # and product (6 x intermediate), LoRA's dropout / A / B / add (3 x (in + out)) per target.
-    per_layer = w * (4 * m.hidden_size * m.norms_per_layer + 6 * m.hidden_size + 3 * (m.q_dim + m.kv_dim)
-                     + 6 * m.intermediate_size + 3 * lora_io)
-    logits = m.vocab_size * (2 + 4 + 4 + 4 + 4)  # bf16 logits, fp32 upcast, log-softmax, its gradient, the input grad
-    activation_bytes = T * (per_layer * (L * fwd + 2 * bwd_layers) + logits)
+    launches = layer_launches(m, s, len(targets)) * (L * fwd + 2 * bwd_layers)  # backward: about twice the forward's
+    triton = 0.0
+    if s.kernels == "liger":  # each fused kernel once in forward (and recomputation), once in backward
+        triton = (KERNELS_NORM["liger"] * m.norms_per_layer + KERNELS_ROPE["liger"] + KERNELS_ACT["liger"]) \
+            * (L * fwd + bwd_layers)
+    if s.loss == "chunked":
+        launches += -(-T // CHUNK_TOKENS) * KERNELS_PER_LOSS_CHUNK
+    activation_bytes = T * (layer_elementwise_bytes(m, s, targets) * (L * fwd + 2 * bwd_layers)
+                            + loss_elementwise_bytes(m))
 
     eager = 0.0
     if s.attn == "eager":
@@ -181,9 +199,56 @@ def step_terms(model: ModelSpec, setup: TrainSetup) -> StepTerms:
         # every matmul of an NF4 weight unpacks it to bf16 first: read 0.5 B, write 2 B, the matmul reads 2 B
         dequant = weight_terms.count_params(m).decoder_linear * 4.5 * (fwd + 1)
     ckpt_layers = (fwd - 1) * L  # layers run under torch.utils.checkpoint (its hooks cost CPU time per layer)
-    return StepTerms(float(linear * T), float(attention * T), float(launches), float(ckpt_layers),
-                     float(activation_bytes), float(eager),
-                     float(dequant))
+    host = 0.0
+    if s.checkpointed_layers_mode == "offload":
+        # each layer's input (T x hidden, activations' dtype) goes to pinned host memory in forward and comes back
+        # for the recomputation (fitune/runtime/techniques/offload.py)
+        host = 2.0 * T * m.hidden_size * w * L
+    return StepTerms(float(linear * T), float(attention * T), float(launches), float(triton), float(ckpt_layers),
+                     float(activation_bytes), float(eager), float(dequant), float(host))
+
+
+def layer_launches(m: ModelSpec, s: TrainSetup, lora_targets: int) -> float:
+    """Kernels one decoder layer launches in a forward pass (KERNELS_*): Liger's fused kernels or transformers'
+    modules; fitune's lean RMSNorm runs its element-wise kernels once per tile of TILE_TOKENS tokens."""
+    k = "liger" if s.kernels == "liger" else "torch"
+    norm = KERNELS_NORM[k] * m.norms_per_layer
+    if s.lean_norm and k == "torch":
+        norm *= -(-s.batch_size * s.seq_len_tokens // TILE_TOKENS)
+    return norm + KERNELS_ROPE[k] + KERNELS_ACT[k] + KERNELS_OTHER + KERNELS_PER_LORA_TARGET * lora_targets
+
+
+def layer_elementwise_bytes(m: ModelSpec, s: TrainSetup, lora_targets: list[str]) -> float:
+    """Bytes one decoder layer's element-wise kernels read and write per token in a forward pass (backward moves
+    about twice as much). Counted from what each kernel reads and writes, activations in bf16 (fp32 doubles it):
+    - RMSNorm: transformers' (and fitune's lean one, the same arithmetic) upcasts to fp32 and makes 7 passes, about
+      26 bytes per feature; Liger's one kernel reads the input and writes the output: 4 bytes;
+    - RoPE on q and k: rotate_half's slices and concatenation, two products and an add, about 16 bytes per element;
+      Liger rotates in place: 4;
+    - SiLU and the product: 10 bytes per intermediate element (read 2 + write 2, read 4 + write 2); Liger: 6;
+    - the two residual adds: 6 bytes per feature each;
+    - LoRA per target: PEFT's fp32 adapters cast the input to fp32 (6 bytes per input feature) and scale and add the
+      fp32 output (12 per output feature); lean LoRA runs in bf16: the scale and add only (6 per output feature).
+    """
+    liger = s.kernels == "liger"
+    h = m.hidden_size
+    norm = (4 if liger else 26) * h * m.norms_per_layer
+    rope = (4 if liger else 16) * (m.q_dim + m.kv_dim)
+    act = (6 if liger else 10) * m.intermediate_size
+    residual = 2 * 6 * h
+    lora = 0
+    for lin in m.linears(False):
+        if lin.name in lora_targets:
+            lora += 6 * lin.out_features if s.lean_lora else 6 * lin.in_features + 12 * lin.out_features
+    scale = 2 if s.dtype == "fp32" and s.method != "qlora" else 1
+    return float(scale * (norm + rope + act + residual + lora))
+
+
+def loss_elementwise_bytes(m: ModelSpec) -> float:
+    """Bytes the loss's element-wise kernels move per token: the bf16 logits written, upcast to fp32, the
+    log-softmax, its gradient and the input gradient (2 + 4 + 4 + 4 + 4 bytes per vocabulary entry). fitune's chunked
+    loss does the same passes a chunk at a time."""
+    return float(m.vocab_size * (2 + 4 + 4 + 4 + 4))
 
 
 def optimizer_step_bytes(model: ModelSpec, setup: TrainSetup) -> float:
@@ -210,8 +275,11 @@ def gpu_rates(gpu: GpuSpec | None) -> Rates:
         peak = gpu.peak_bf16_tflops if gpu.supports_bf16 else entry.get("peak_fp16_dense_tflops")
         bw = gpu.memory_bandwidth_gb_s
         if peak and bw:
-            return Rates(peak * 1e12, bw * 1e9, gpu.name, gpu.name != CALIBRATION_GPU)
-    return Rates(cal["peak_bf16_dense_tflops"] * 1e12, cal["memory_bandwidth_gb_s"] * 1e9, CALIBRATION_GPU, False)
+            return Rates(peak * 1e12, bw * 1e9, gpu.name, gpu.name != CALIBRATION_GPU, link_bytes_s(gpu)[1])
+    from ..specs.gpu import resolve_gpu
+
+    return Rates(cal["peak_bf16_dense_tflops"] * 1e12, cal["memory_bandwidth_gb_s"] * 1e9, CALIBRATION_GPU, False,
+                 link_bytes_s(resolve_gpu(CALIBRATION_GPU))[1])
 
 
 def has_rates(gpu: GpuSpec | None) -> bool:
@@ -234,10 +302,12 @@ def term_seconds(terms: StepTerms, rates: Rates, coefficients: dict[str, float])
         "linear": c["linear"] * terms.linear_flops / rates.peak_flops,
         "attention": c["attention"] * terms.attention_flops / rates.peak_flops,
         "launches": c["launches"] * terms.launches,
+        "triton_launches": c.get("triton_launches", 0.0) * terms.triton_launches,
         "checkpointed_layers": c["checkpointed_layers"] * terms.checkpointed_layers,
         "activations": c["activations"] * terms.activation_bytes / rates.bandwidth_bytes_s,
         "eager_scores": c["eager_scores"] * terms.eager_score_bytes / rates.bandwidth_bytes_s,
         "dequant": c["dequant"] * terms.dequant_bytes / rates.bandwidth_bytes_s,
+        "host_transfers": c.get("host_transfers", 0.0) * terms.host_bytes / rates.host_bytes_s,
     }
 
 
@@ -405,8 +475,14 @@ class Fit:
         return max(abs(e) for e in self.errors)
 
 
+#: The measured steps the model is fitted to, relative to the repository: the HF recipe's (transformers' modules,
+#: PEFT's LoRA, the loss of transformers) and fitune's runner with its techniques (bench/speed_calibration.py).
+SOURCES = ("bench/results/hf_recipe/hf_recipe.jsonl", "bench/results/speed/speed.jsonl")
+
+
 def read_measurements(path: str) -> list[Measured]:
-    """The successful cases of an hf_recipe.jsonl file (tokens/s from the fastest step after the first)."""
+    """The successful steps of a results file: an hf_recipe.jsonl (tokens/s from the fastest step after the first)
+    or a speed.jsonl of bench/speed_calibration.py (the median over steps 3 and later; the setup in `setup`)."""
     from ..specs.model import load_model_spec
 
     out = []
@@ -415,18 +491,29 @@ def read_measurements(path: str) -> list[Measured]:
             d = json.loads(line)
             if not d.get("ok") or not d.get("tokens_per_s"):
                 continue
-            setup = TrainSetup.from_dict(d, strict=False)  # the record holds every setup field it varied
-            label = (f"{d['model']} {d['method']} {d['lora_targets']} r{d['lora_rank']} {d['batch_size']}x"
-                     f"{d['seq_len_tokens']} ckpt {d['grad_checkpointing']} {d['attn']}")
+            fields = d["setup"] if "setup" in d else d  # an hf_recipe record holds every setup field it varied
+            setup = TrainSetup.from_dict(fields, strict=False)
+            s = setup
+            label = (f"{d['model']} {s.stack} {s.method} {s.kernels} {','.join(s.lora_targets)} r{s.lora_rank} "
+                     f"{s.batch_size}x{s.grad_accum}x{s.seq_len_tokens} ckpt {s.grad_checkpointing} {s.attn} "
+                     f"loss {s.loss}{' tiled' if s.tiled_mlp else ''}")
             out.append(Measured(label, load_model_spec(d["model"]), setup, float(d["tokens_per_s"])))
     return out
+
+
+def calibration_measurements(root: str) -> list[Measured]:
+    """Every measured step of SOURCES under the repository `root`."""
+    import os
+
+    return [m for src in SOURCES for m in read_measurements(os.path.join(root, src))]
 
 
 def fit(measured: list[Measured], gpu: GpuSpec | None = None) -> Fit:
     """Fit the coefficients to measured steps: minimise sum((t_pred / t_measured - 1)^2), c >= 0, c_linear >= 1.
 
-    The measured time is tokens_per_step / tokens_per_s. Solved exactly by trying every subset of free terms
-    (2^5 least-squares solves of 6 unknowns): small enough to need no numerical library.
+    The measured time of a micro-batch is (tokens_per_step / tokens_per_s - the optimizer's update) / grad_accum.
+    Solved exactly by trying every subset of free terms (2^8 least-squares solves of at most 8 unknowns on one Gram
+    matrix): small enough to need no numerical library.
     """
     from ..specs.gpu import resolve_gpu
 
@@ -435,7 +522,10 @@ def fit(measured: list[Measured], gpu: GpuSpec | None = None) -> Fit:
     rows, targets = [], []
     for r in measured:
         x = term_seconds(step_terms(r.model, r.setup), rates, unit)
-        t = r.setup.batch_size * r.setup.seq_len_tokens / r.tokens_per_s
+        # per micro-batch: the optimizer's update (physical bytes, not fitted) is taken out of the measured step
+        opt = optimizer_step_bytes(r.model, r.setup) / rates.bandwidth_bytes_s
+        t = (r.setup.grad_accum * r.setup.batch_size * r.setup.seq_len_tokens / r.tokens_per_s - opt) \
+            / r.setup.grad_accum
         rows.append([x[k] / t for k in TERMS])
         targets.append(1.0)
     # c_linear = 1 + c', c' >= 0: move the fixed part to the right-hand side
@@ -465,28 +555,33 @@ def leave_one_model_out(measured: list[Measured]) -> list[float]:
 
 
 def _nnls(rows: list[list[float]], rhs: list[float]) -> list[float]:
-    """Non-negative least squares by enumeration of the active set (fine for a handful of unknowns)."""
+    """Non-negative least squares by enumeration of the active set (fine for a handful of unknowns), on the Gram
+    matrix A^T A and A^T b computed once: the residual of a solution c is c^T G c - 2 c^T g + b^T b."""
     n = len(rows[0])
-    best, best_res = [0.0] * n, sum(y * y for y in rhs)
+    gram = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    g = [sum(r[i] * y for r, y in zip(rows, rhs)) for i in range(n)]
+    bb = sum(y * y for y in rhs)
+    best, best_res = [0.0] * n, bb
     for k in range(1, n + 1):
         for subset in itertools.combinations(range(n), k):
-            sol = _lstsq([[row[j] for j in subset] for row in rows], rhs)
+            sol = _solve([[gram[i][j] for j in subset] + [g[i]] for i in subset])
             if sol is None or any(v < 0 for v in sol):
                 continue
             c = [0.0] * n
             for j, v in zip(subset, sol):
                 c[j] = v
-            res = sum((sum(row[j] * c[j] for j in range(n)) - y) ** 2 for row, y in zip(rows, rhs))
-            if res < best_res:
+            res = (sum(c[i] * gram[i][j] * c[j] for i in subset for j in subset)
+                   - 2 * sum(c[i] * g[i] for i in subset) + bb)
+            if res < best_res - 1e-12 * bb:
                 best, best_res = c, res
     return best
 
 
-def _lstsq(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """Least squares via the normal equations, solved by Gaussian elimination with partial pivoting."""
-    n = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, rhs))]
-         for i in range(n)]
+def _solve(a: list[list[float]]) -> list[float] | None:
+    """Solve the augmented system `a` (n rows of n coefficients and the right-hand side) by Gaussian elimination
+    with partial pivoting; None when singular."""
+    n = len(a)
+    a = [row[:] for row in a]
     for col in range(n):
         piv = max(range(col, n), key=lambda i: abs(a[i][col]))
         if abs(a[piv][col]) < 1e-300:
@@ -499,36 +594,85 @@ def _lstsq(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def write_calibration(path_jsonl: str, out_py: str) -> Fit:
-    """Fit to `path_jsonl` and write the coefficients as a Python module (`fitune/plan/calibration.py`)."""
+def fit_report(measured: list[Measured]) -> tuple[Fit, list[float]]:
+    """The fit to every case and the leave-one-model-out errors (in the order of `measured`)."""
+    result = fit(measured)
+    loo_by_label: dict[int, float] = {}
+    from ..specs.gpu import resolve_gpu
+
+    gpu = resolve_gpu(CALIBRATION_GPU)
+    for name in sorted({r.model.name for r in measured}):
+        c = fit([r for r in measured if r.model.name != name]).coefficients
+        for i, r in enumerate(measured):
+            if r.model.name == name:
+                loo_by_label[i] = predict(r.model, r.setup, gpu, c).tokens_per_s / r.tokens_per_s - 1
+    return result, [loo_by_label[i] for i in range(len(measured))]
+
+
+def error_table(measured: list[Measured], errors: list[float], loo: list[float]) -> str:
+    """docs/plan.md's table: |predicted / measured - 1| by model and stack, in-sample and with the model left out of
+    the fit (median / max)."""
     import statistics
 
-    measured = read_measurements(path_jsonl)
-    result = fit(measured)
-    loo = leave_one_model_out(measured)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(measured):
+        groups.setdefault((r.model.name, r.setup.stack), []).append(i)
+    lines = ["| model | runner | cases | in sample: median / max | left out: median / max |",
+             "| --- | --- | --- | --- | --- |"]
+    for (model, stack), idx in sorted(groups.items()):
+        e, o = [abs(errors[i]) for i in idx], [abs(loo[i]) for i in idx]
+        lines.append(f"| {model} | {'fitune' if stack == 'fitune' else 'HF recipe'} | {len(idx)} | "
+                     f"{statistics.median(e):.1%} / {max(e):.1%} | {statistics.median(o):.1%} / {max(o):.1%} |")
+    return "\n".join(lines).replace("%", " %")
+
+
+def _summary(errors: list[float]) -> tuple[float, float]:
+    import statistics
+
+    return round(statistics.median(abs(e) for e in errors), 4), round(max(abs(e) for e in errors), 4)
+
+
+def write_calibration(root: str, out_py: str) -> tuple[Fit, list[float]]:
+    """Fit to SOURCES under `root` and write the coefficients and errors as a Python module
+    (`fitune/plan/calibration.py`)."""
+    measured = calibration_measurements(root)
+    result, loo = fit_report(measured)
+    runner = [i for i, r in enumerate(measured) if r.setup.stack == "fitune"]
+    med, mx = _summary(list(result.errors))
+    loo_med, loo_max = _summary(loo)
+    run_med, run_max = _summary([result.errors[i] for i in runner])
+    run_loo_med, run_loo_max = _summary([loo[i] for i in runner])
     lines = [
-        '"""Throughput coefficients fitted to bench/results/hf_recipe/hf_recipe.jsonl (H200).',
+        '"""Throughput coefficients fitted to the measured H200 steps of SOURCES.',
         "",
         "Generated by `python -m fitune.plan.throughput` (fitune/plan/throughput.py: `write_calibration`); do not edit.",
         "tests/test_plan.py refits from the committed data and checks these numbers and the fit error.",
         '"""',
         "",
-        f"SOURCE = {'bench/results/hf_recipe/hf_recipe.jsonl'!r}",
+        f"SOURCES = {SOURCES!r}",
         f"CASES = {len(measured)}",
+        f"RUNNER_CASES = {len(runner)}",
+        '"""Of which measured on fitune\'s own runner (stack fitune, its techniques)."""',
+        f"MODELS = {sorted({r.model.name for r in measured})!r}",
         "COEFFICIENTS = {",
         *[f"    {k!r}: {v!r}," for k, v in result.coefficients.items()],
         "}",
-        f"MEDIAN_ABS_ERROR = {round(result.median_abs_error, 4)!r}",
+        f"MEDIAN_ABS_ERROR = {med!r}",
         '"""Median |predicted / measured tokens/s - 1| over the fitted cases."""',
-        f"MAX_ABS_ERROR = {round(result.max_abs_error, 4)!r}",
-        f"LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR = {round(statistics.median(abs(e) for e in loo), 4)!r}",
+        f"MAX_ABS_ERROR = {mx!r}",
+        f"LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR = {loo_med!r}",
         '"""The same, each model predicted by a fit made without its own cases."""',
-        f"LEAVE_ONE_MODEL_OUT_MAX_ABS_ERROR = {round(max(abs(e) for e in loo), 4)!r}",
+        f"LEAVE_ONE_MODEL_OUT_MAX_ABS_ERROR = {loo_max!r}",
+        f"RUNNER_MEDIAN_ABS_ERROR = {run_med!r}",
+        '"""The errors over fitune\'s runner cases only, in-sample and leave-one-model-out."""',
+        f"RUNNER_MAX_ABS_ERROR = {run_max!r}",
+        f"RUNNER_LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR = {run_loo_med!r}",
+        f"RUNNER_LEAVE_ONE_MODEL_OUT_MAX_ABS_ERROR = {run_loo_max!r}",
         "",
     ]
     with open(out_py, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-    return result
+    return result, loo
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a maintenance script
@@ -537,15 +681,15 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a maintena
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
-    p = argparse.ArgumentParser(description="refit the throughput model to measured HF-recipe steps")
-    p.add_argument("jsonl", nargs="?", default=os.path.join(root, "bench", "results", "hf_recipe", "hf_recipe.jsonl"))
+    p = argparse.ArgumentParser(description="refit the throughput model to the measured steps of SOURCES")
     p.add_argument("--out", default=os.path.join(here, "calibration.py"))
-    p.add_argument("--show", action="store_true", help="print every case's error")
+    p.add_argument("--show", action="store_true", help="print every case's error, in-sample and leave-one-model-out")
     args = p.parse_args(argv)
-    result = write_calibration(args.jsonl, args.out)
+    result, loo = write_calibration(root, args.out)
     if args.show:
-        for label, e in zip(result.labels, result.errors):
-            print(f"{label:70s} {e:+.1%}")
+        for label, e, o in zip(result.labels, result.errors, loo):
+            print(f"{label:100s} {e:+7.1%} {o:+7.1%}")
+        print(error_table(calibration_measurements(root), list(result.errors), loo))
     print("coefficients:", {k: round(v, 6) for k, v in result.coefficients.items()})
     print(f"median |error| {result.median_abs_error:.1%}, max {result.max_abs_error:.1%}; wrote {args.out}")
     return 0

@@ -26,6 +26,9 @@ class AccuracyRow:
     estimated_reserved_bytes: int
     setup: TrainSetup | None = None
     model_type: str = ""
+    sample: str = "in"
+    """in: the estimator was changed after (or while) looking at this measurement; out: measured after its last
+    change, a prediction."""
 
     @property
     def allocated_error_pct(self) -> float:
@@ -92,6 +95,24 @@ def compare_profiles(path: str, gpu: str = "h200", root: str = ".") -> list[Accu
     return rows
 
 
+def compare_setups(path: str, gpu: str = "h200") -> list[AccuracyRow]:
+    """The same comparison for records that hold their whole `setup` and the catalog `model`: bench/speed_calibration.py
+    (`ok`) and bench/rank_check.py (`fitune train`'s exit code 0)."""
+    rows = []
+    g = resolve_gpu(gpu)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if not (r.get("ok") or r.get("exit") == 0) or not r.get("peak_allocated_bytes"):
+                continue
+            setup = TrainSetup.from_dict(r["setup"])
+            spec = load_model_spec(r["model"])
+            est = estimate(spec, setup, g)
+            rows.append(AccuracyRow(_label(r["model"], setup), r["peak_allocated_bytes"], est.peak_allocated_bytes,
+                                    r["peak_reserved_bytes"], est.peak_reserved_bytes, setup, spec.model_type))
+    return rows
+
+
 def summary(rows: list[AccuracyRow]) -> dict[str, float]:
     a = [abs(r.allocated_error_pct) for r in rows]
     b = [abs(r.reserved_error_pct) for r in rows]
@@ -100,36 +121,45 @@ def summary(rows: list[AccuracyRow]) -> dict[str, float]:
 
 
 def method_table(rows: list[AccuracyRow]) -> str:
-    """The README's accuracy table: |error| of the peaks by method and optimizer (median / max, %)."""
-    groups: dict[tuple[str, str], list[AccuracyRow]] = {}
+    """The README's accuracy table: |error| of the peaks by method, optimizer and sample (in-sample: the estimator
+    was fitted to or changed after these runs; out-of-sample: measured after its last change), median / max, %."""
+    groups: dict[tuple[str, str, str], list[AccuracyRow]] = {}
     for r in rows:
-        groups.setdefault((r.setup.method, r.setup.optimizer), []).append(r)
+        groups.setdefault((r.setup.method, r.setup.optimizer, r.sample), []).append(r)
     order = {"lora": 0, "qlora": 1, "full": 2, "freeze": 3}
-    lines = ["| method | optimizer | cases | allocated: median | max | reserved: median | max |",
-             "|---|---|---|---|---|---|---|"]
-    for (method, opt), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+    lines = ["| method | optimizer | sample | cases | allocated: median | max | reserved: median | max |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (method, opt, sample), rs in sorted(groups.items(),
+                                            key=lambda kv: (order.get(kv[0][0], 9), kv[0][1], kv[0][2])):
         a = [abs(r.allocated_error_pct) for r in rs]
         b = [abs(r.reserved_error_pct) for r in rs]
-        lines.append(f"| {method} | {opt} | {len(rs)} | {statistics.median(a):.2f} % | {max(a):.2f} % | "
-                     f"{statistics.median(b):.2f} % | {max(b):.2f} % |")
+        lines.append(f"| {method} | {opt} | {sample}-of-sample | {len(rs)} | {statistics.median(a):.2f} % | "
+                     f"{max(a):.2f} % | {statistics.median(b):.2f} % | {max(b):.2f} % |".replace("in-of-sample",
+                                                                                             "in-sample"))
     return "\n".join(lines)
 
 
 #: The committed GPU records the planner's evidence (fitune/specs/data/measured.json) is made of: (path under the
-#: repository, reader). bench/results/issue12/full_recipe.jsonl is left out: its cases after the first of each
+#: repository, reader, sample). bench/results/issue12/full_recipe.jsonl is left out: its cases after the first of each
 #: process started with the previous case's memory still cached (its allocation traces are used, not its peaks).
+#: "out": measured after the estimator's last change (2026-12-03: fitune's runner on five models,
+#: bench/speed_calibration.py, and the ranking check's `fitune train` runs), a test of its predictions.
 SOURCES = (
-    ("bench/results/hf_recipe/hf_recipe.jsonl", "recipe"),
-    ("bench/results/hf_recipe/eager_rerun/eager.jsonl", "recipe"),
-    ("bench/results/issue12/options.jsonl", "profile"),
+    ("bench/results/hf_recipe/hf_recipe.jsonl", "recipe", "in"),
+    ("bench/results/hf_recipe/eager_rerun/eager.jsonl", "recipe", "in"),
+    ("bench/results/issue12/options.jsonl", "profile", "in"),
+    ("bench/results/speed/speed.jsonl", "setup", "out"),
+    ("bench/results/rank_check/rank_check.jsonl", "setup", "out"),
 )
 
 
 def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
+    import dataclasses
     import os
 
-    return [(rel, compare_profiles(os.path.join(root, rel), root=root) if kind == "profile"
-             else compare(os.path.join(root, rel))) for rel, kind in SOURCES]
+    readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups}
+    return [(rel, [dataclasses.replace(r, sample=sample) for r in readers[kind](os.path.join(root, rel))])
+            for rel, kind, sample in SOURCES]
 
 
 def measured_rows(root: str = ".") -> list[AccuracyRow]:
@@ -163,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     path = argv[0] if argv else "bench/results/hf_recipe/hf_recipe.jsonl"
     with open(path, encoding="utf-8") as f:
         first = json.loads(f.readline() or "{}")
-    rows = compare_profiles(path) if "model_arg" in first else compare(path)
+    rows = (compare_profiles(path) if "model_arg" in first else compare_setups(path) if "setup" in first
+            else compare(path))
     gib = GiB
     print(f"{'case':78s} {'alloc GiB':>9s} {'est':>7s} {'err':>7s} {'resv GiB':>9s} {'est':>7s} {'err':>7s}")
     for r in rows:

@@ -8,6 +8,7 @@ from .charts import BarRow, Segment, ValueBar, legend, stacked_bars, value_bars
 from .common import breakdown_table, notes_list, setup_line
 from .estimate import budget_marker
 from .html import OKABE_ITO, esc, num_bytes, num_value
+from ..plan.search import kept_as_given
 
 METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
 OVER = Category("peak_allocated", "peak allocated", OKABE_ITO["vermillion"],
@@ -44,7 +45,7 @@ def render(doc: dict) -> tuple[str, str]:
            + (f" x {num_value(doc['num_gpus'], 'num_gpus')} GPUs" if (doc.get("num_gpus") or 1) > 1 else "")
            + f' &middot; {num_value(req.get("batch_size"), "request.batch_size")} x '
            f'{num_value(req.get("seq_len_tokens"), "request.seq_len_tokens")} tokens per step, {esc(req.get("dtype", ""))}'
-           f'; LoRA r{esc(req.get("lora_rank"))} on {esc(",".join(req.get("lora_targets") or []))} kept as given'
+           f'; {esc(kept_as_given(req.get("methods") or ["lora"], req.get("lora_rank"), req.get("lora_targets") or []))}'
            f' &middot; searched {num_value(search.get("setups"), "search.setups")} setups in '
            f'{num_value(search.get("seconds"), "search.seconds", _seconds(search.get("seconds")))}</p>']
     if plans:

@@ -1,0 +1,303 @@
+"""What the peer scripts share: the command line, the shared data, step timing, the JSON record.
+
+Imports nothing heavy at import (unsloth_run.py must import unsloth before transformers, peft and trl): torch,
+transformers and the rest are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+DATA_FILE = "data.pt"
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "datasets", "unsloth", "unsloth_zoo",
+            "liger_kernel", "bitsandbytes", "triton", "cut_cross_entropy")
+
+
+def parser(description: str, ckpt_choices: tuple[str, ...] = ("none", "full")) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="folder written by bench/peers/make_model.py")
+    p.add_argument("--out", required=True, help="JSON lines file; one line per run is appended")
+    p.add_argument("--grad-checkpointing", default=ckpt_choices[0], choices=ckpt_choices)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps (tokens/s: median of steps 3 and later)")
+    p.add_argument("--cap", default="rtx4090", help="allocator budget of this card (cuda only); '' for none")
+    p.add_argument("--device", default="cuda")
+    return p
+
+
+def base_record(stack: str, args, **extra) -> dict:
+    meta = {}
+    meta_path = os.path.join(args.model_dir, "peers_meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+    seq = meta.get("seq_len", 2048)
+    return {"stack": stack, "model": meta.get("model"), "layers": meta.get("layers"),
+            "cap": args.cap if args.device == "cuda" else None, "device": args.device,
+            "grad_checkpointing": args.grad_checkpointing, "micro_batch_size": args.micro_batch,
+            "grad_accum": args.grad_accum, "seq_len_tokens": seq,
+            "tokens_per_step": args.micro_batch * args.grad_accum * seq, "steps": args.steps,
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "v_proj"]},
+            "optim": "adamw_torch", **extra}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            try:
+                out[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def load_rows(model_dir: str):
+    """The shared token ids: a LongTensor (rows, seq_len), the same for every stack."""
+    import torch
+
+    return torch.load(os.path.join(model_dir, DATA_FILE))
+
+
+def hf_args(description: str, liger_help: str):
+    """The HF stacks' command line (the common one plus --liger), parsed, with the allocator capped."""
+    p = parser(description)
+    p.add_argument("--liger", action="store_true", help=liger_help)
+    args = p.parse_args()
+    start_cuda(args)
+    return args
+
+
+def start_cuda(args) -> None:
+    """Cap the allocator (before any CUDA allocation) and zero the counters."""
+    if args.device != "cuda":
+        return
+    from bench.common import cap_allocator
+
+    cap_allocator(args.cap, "cuda")
+
+
+def simulate_card_view(cap: str | None) -> dict | None:
+    """Make the memory queries a library sizes itself from answer as the capped card would.
+
+    The allocator cap (set_per_process_memory_fraction) limits allocations, but `torch.cuda.mem_get_info` and
+    `get_device_properties().total_memory` still report the H200's 140 GiB. Unsloth picks some paths from them
+    (fused-loss chunk size and double-buffered activation offload from free memory; its "small card" route below
+    24.5 GiB of total_memory): here free memory is the allocator budget less what this process reserved, and
+    `get_device_properties().total_memory` the card's. `mem_get_info`'s total stays the H200's, since Unsloth caps
+    free memory with `total * get_per_process_memory_fraction()`. Call after `cap_allocator` (which reads the real
+    total). Returns what the record notes, None when nothing was patched.
+    """
+    if not cap:
+        return None
+    import torch
+
+    from fitune.specs.gpu import resolve_gpu
+
+    card = resolve_gpu(cap)
+    total, budget = int(card.total_bytes), int(card.allocator_budget_bytes)
+    real_mem_get_info = torch.cuda.mem_get_info
+    real_props = torch.cuda.get_device_properties
+
+    def mem_get_info(device=None):
+        free, real_total = real_mem_get_info(device)
+        return min(free, max(0, budget - torch.cuda.memory_reserved(device))), real_total
+
+    class _Props:
+        def __init__(self, props):
+            object.__setattr__(self, "_props", props)
+
+        total_memory = total
+
+        def __getattr__(self, name):
+            return getattr(self._props, name)
+
+        def __repr__(self):
+            return repr(self._props).replace(str(self._props.total_memory // 2**20), str(total // 2**20))
+
+    def get_device_properties(device=None):
+        return _Props(real_props(device))
+
+    torch.cuda.mem_get_info = mem_get_info
+    torch.cuda.memory.mem_get_info = mem_get_info
+    torch.cuda.get_device_properties = get_device_properties
+    return {"card": card.name, "total_memory": total, "budget": budget}
+
+
+def reset_peaks(device: str) -> int:
+    if device != "cuda":
+        return 0
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+def cuda_stats(device: str, retries0: int) -> dict:
+    if device != "cuda":
+        return {}
+    import torch
+
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0,
+            "gpu": torch.cuda.get_device_name(0),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
+
+
+class StepClock:
+    """Seconds of each optimizer step (synchronized on CUDA) and the wall time between step ends."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.seconds: list[float] = []
+        self.ends: list[float] = []
+        self._t0 = None
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def begin(self):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def end(self):
+        self._sync()
+        t = time.perf_counter()
+        self.seconds.append(t - self._t0)
+        self.ends.append(t)
+
+    def summary(self, tokens_per_step: int) -> dict:
+        """tokens/s: median over steps 3 and later of tokens per step / step seconds (all steps when fewer)."""
+        s = self.seconds
+        steady = s[2:] if len(s) > 2 else s
+        gaps = [b - a for a, b in zip(self.ends, self.ends[1:])][1:]  # end(k) - end(k-1), k >= 3
+        return {"steps_done": len(s),
+                "tokens_per_s": statistics.median(tokens_per_step / x for x in steady) if steady else None,
+                "tokens_per_s_wall": statistics.median(tokens_per_step / x for x in gaps) if gaps else None,
+                "step_seconds": [round(x, 4) for x in s[:64]]}
+
+
+def trainer_callback(clock: StepClock):
+    """A transformers TrainerCallback that feeds `clock` (on_step_begin / on_step_end: one optimizer step)."""
+    from transformers import TrainerCallback
+
+    class _Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.end()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                clock.losses = getattr(clock, "losses", []) + [logs["loss"]]
+
+    return _Timer()
+
+
+def is_oom(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        try:
+            import torch
+
+            if isinstance(exc, torch.OutOfMemoryError):
+                return True
+        except ImportError:
+            pass
+        if "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def outcome(exc: BaseException | None) -> dict:
+    """fits True (no error) / False (out of memory) / None (another error, with its type, message, traceback)."""
+    if exc is None:
+        return {"fits": True}
+    if is_oom(exc):
+        return {"fits": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+                if str(exc).strip() else type(exc).__name__}
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).strip().splitlines()
+    return {"fits": None, "error": f"{type(exc).__name__}: {str(exc)[:600]}", "traceback": tb[-15:]}
+
+
+def write(out: str, rec: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    short = {k: rec.get(k) for k in ("stack", "grad_checkpointing", "micro_batch_size", "grad_accum", "fits",
+                                     "tokens_per_s", "peak_allocated_bytes", "peak_reserved_bytes",
+                                     "num_alloc_retries")}
+    if rec.get("error"):
+        short["error"] = rec["error"][:200]
+    print("RESULT " + json.dumps(short), flush=True)
+
+
+def run_case(stack: str, args, body, **extra) -> dict:
+    """Run `body(rec, clock)` (which builds and trains) and write one record, whatever happens.
+
+    `body` fills `rec` (load seconds, `_retries0` from `reset_peaks`...) and drives `clock`; an exception becomes
+    the record's outcome. SIGTERM (`timeout`) writes the record at once and exits 124: libraries may swallow an
+    exception raised from a signal handler, so the handler does not rely on one.
+    """
+    import signal
+
+    t_start = time.perf_counter()
+    rec = base_record(stack, args, **extra)
+    clock = StepClock(args.device)
+    written = []
+
+    def finish(exc: BaseException | None) -> dict:
+        if written:
+            return rec
+        written.append(True)
+        rec.update(outcome(exc))
+        if rec["fits"] and len(clock.seconds) < args.steps:
+            rec.update({"fits": None, "error": f"only {len(clock.seconds)} of {args.steps} steps were timed"})
+        rec.update(clock.summary(rec["tokens_per_step"]))
+        if getattr(clock, "losses", None):
+            rec["losses"] = [round(x, 4) for x in clock.losses[:64]]
+        if not rec["fits"]:
+            rec["tokens_per_s"] = rec["tokens_per_s_wall"] = None
+        try:
+            rec.update(cuda_stats(args.device, rec.pop("_retries0", 0)))
+        except Exception as e:  # noqa: BLE001 - a broken CUDA context after a failure
+            rec["cuda_stats_error"] = repr(e)[:200]
+        rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+        write(args.out, rec)
+        return rec
+
+    def _term(signum, frame):  # `timeout` sends SIGTERM: record the case as not finished instead of vanishing
+        finish(TimeoutError(f"stopped by signal {signum} (the case's time limit) after "
+                            f"{len(clock.seconds)} timed steps"))
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, _term)
+    exc = None
+    try:
+        rec["versions"] = versions()
+        body(rec, clock)
+    except BaseException as e:  # noqa: BLE001 - every failure is a result here (KeyboardInterrupt included)
+        exc = e
+    return finish(exc)
