@@ -63,3 +63,10 @@ def test_todays_planner_still_proposes_the_plans_that_were_run(workload, capsys)
     assert plans[0]["setup"] == ran[1]
     assert sorted(json.dumps(p["setup"], sort_keys=True) for p in plans) == \
         sorted(json.dumps(s, sort_keys=True) for s in ran.values())
+
+
+def test_readme_ranking_table_is_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    for r in RECORDS:
+        if r["exit"] == 0:
+            assert f"{r['tokens_per_s_median']:,.0f}" in readme, (r["workload"], r["plan"])

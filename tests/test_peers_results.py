@@ -1,0 +1,60 @@
+"""The README's side-by-side table (issue 14) is the committed GPU record of bench/results/peers/: every figure in
+it is recomputed here from the raw lines."""
+
+from __future__ import annotations
+
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLDER = os.path.join(ROOT, "bench", "results", "peers")
+
+
+def _lines(name):
+    return [json.loads(x) for x in open(os.path.join(FOLDER, name), encoding="utf-8")]
+
+
+def _best(stack):
+    """The stack's fastest case that fit."""
+    fits = [r for r in _lines("peers.jsonl") if r["stack"] == stack and r["fits"]]
+    return max(fits, key=lambda r: r["tokens_per_s"])
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def test_every_stack_ran_its_candidates_in_one_call():
+    rows = _lines("peers.jsonl")
+    assert {r["stack"] for r in rows} == {"hf_trainer", "hf_trainer_liger", "hf_loop_liger", "unsloth"}
+    assert all(r["fits"] in (True, False) for r in rows)  # every case ended in a result, none in an error
+    assert all(r["cap"] == "rtx4090" and r["seq_len_tokens"] == 2048 for r in rows)
+    for r in rows:
+        assert r["micro_batch_size"] * r["grad_accum"] == 2  # 2 x 2048 tokens per optimizer step, every stack
+        if r["fits"]:
+            assert r["steps_done"] == 12 and r["peak_allocated_bytes"] <= 23.4 * 2**30
+
+
+def test_readme_table_is_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    fitune = _lines("fitune.jsonl")[0]
+    assert fitune["exit"] == 0 and fitune["plan"] == 1
+    assert f"| **{fitune['tokens_per_s_median']:,.0f}** | {_gib(fitune['peak_allocated_bytes'])} | " \
+           f"{_gib(fitune['peak_reserved_bytes'])} |" in readme
+    for stack in ("hf_trainer", "hf_trainer_liger", "hf_loop_liger", "unsloth"):
+        r = _best(stack)
+        assert f"| {r['tokens_per_s']:,.0f} | {_gib(r['peak_allocated_bytes'])} | {_gib(r['peak_reserved_bytes'])}" \
+            in readme, stack
+    hf_liger = max(_best("hf_trainer_liger")["tokens_per_s"], _best("hf_loop_liger")["tokens_per_s"])
+    ratio_liger = fitune["tokens_per_s_median"] / hf_liger
+    ratio_unsloth = fitune["tokens_per_s_median"] / _best("unsloth")["tokens_per_s"]
+    assert f"fitune is {ratio_liger:.2f}x the fastest HF + Liger stack and {ratio_unsloth:.2f}x Unsloth" in readme
+
+
+def test_readme_unsloth_against_the_trainer_is_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    u, t = _best("unsloth"), _best("hf_trainer")
+    less = 1 - u["peak_allocated_bytes"] / t["peak_allocated_bytes"]
+    assert (f"Unsloth made {u['tokens_per_s'] / t['tokens_per_s']:.2f}x\nthe tokens/s of the HF Trainer "
+            f"({u['tokens_per_s']:,.0f} against {t['tokens_per_s']:,.0f}) at {less:.0%} less peak allocated memory"
+            ).replace("%", " %") in readme
