@@ -58,3 +58,11 @@ def test_readme_unsloth_against_the_trainer_is_the_record():
     assert (f"Unsloth made {u['tokens_per_s'] / t['tokens_per_s']:.2f}x\nthe tokens/s of the HF Trainer "
             f"({u['tokens_per_s']:,.0f} against {t['tokens_per_s']:,.0f}) at {less:.0%} less peak allocated memory"
             ).replace("%", " %") in readme
+
+
+def test_readme_summary_line_is_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    f = _lines("fitune.jsonl")[0]["tokens_per_s_median"]
+    hf_liger = max(_best("hf_trainer_liger")["tokens_per_s"], _best("hf_loop_liger")["tokens_per_s"])
+    assert (f"{f / _best('hf_trainer')['tokens_per_s']:.2f}x the HF Trainer, {f / hf_liger:.2f}x HF + Liger, "
+            f"{f / _best('unsloth')['tokens_per_s']:.2f}x Unsloth") in readme

@@ -301,3 +301,76 @@ def run_case(stack: str, args, body, **extra) -> dict:
     except BaseException as e:  # noqa: BLE001 - every failure is a result here (KeyboardInterrupt included)
         exc = e
     return finish(exc)
+
+
+# ---- issue 14, "real-length data" and "context per card size" (bench/peers/real_length.py, unsloth_max_context.py)
+
+#: The instruction-like length distribution every stack of real_length.py trains on: an example's words (= tokens of
+#: the peers' word-level tokenizer, before each stack's eos) are lognormal with median 300 and sigma 0.9, rounded and
+#: clipped to [32, 2048]. Percentiles of the distribution: p10 95, p25 164, p50 300, p75 550, p90 951, p95 1318,
+#: p99 2048 (1.6 % of the examples sit at the 2048 clip; mean about 435).
+LENGTH_MEDIAN = 300
+LENGTH_SIGMA = 0.9
+LENGTH_MIN, LENGTH_MAX = 32, 2048
+LENGTH_PERCENTILES = {"p10": 95, "p25": 164, "p50": 300, "p75": 550, "p90": 951, "p95": 1318, "p99": 2048}
+
+
+def instruction_lengths(n: int, seed: int = 0) -> list[int]:
+    """`n` example lengths (words) from the distribution above; the same list for the same seed on any machine
+    (Python's own `random`, no numpy)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    mu = math.log(LENGTH_MEDIAN)
+    return [min(LENGTH_MAX, max(LENGTH_MIN, round(rng.lognormvariate(mu, LENGTH_SIGMA)))) for _ in range(n)]
+
+
+def length_percentiles(lengths) -> dict:
+    """Nearest-rank percentiles (p10 ... p99), max, mean, and the share at the 2048 clip, of a list of lengths."""
+    xs = sorted(lengths)
+    if not xs:
+        return {}
+    pick = lambda q: xs[min(len(xs) - 1, max(0, -(-q * len(xs) // 100) - 1))]  # noqa: E731 - ceil(q n / 100)
+    out = {f"p{q}": pick(q) for q in (10, 25, 50, 75, 90, 95, 99)}
+    out.update(max=xs[-1], mean=round(sum(xs) / len(xs), 1), at_max_share=round(xs.count(LENGTH_MAX) / len(xs), 4))
+    return out
+
+
+def write_length_data(path: str, n: int = 2000, seed: int = 0, words: int = 4000) -> dict:
+    """Write `n` prompt/completion records (JSON lines) with `instruction_lengths(n, seed)` words each, of the
+    words w0 ... w{words-1} that bench/peers/make_model.py's tokenizer knows; the prompt takes a uniform 10-50 % of
+    an example (at least 4 words, the completion at least 1), and the completion starts with a space so that
+    prompt + completion (TRL's concatenation) keeps the word boundary. Returns the distribution's description,
+    which every record of real_length.py carries."""
+    import random
+
+    lengths = instruction_lengths(n, seed)
+    rng = random.Random(seed + 1)
+    vocab = [f"w{i}" for i in range(words)]
+    prompt_words = 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for length in lengths:
+            p = min(length - 1, max(4, round(length * rng.uniform(0.1, 0.5))))
+            text = [rng.choice(vocab) for _ in range(length)]
+            prompt_words += p
+            f.write(json.dumps({"prompt": " ".join(text[:p]), "completion": " " + " ".join(text[p:])}) + "\n")
+    return {"distribution": f"lognormal(median {LENGTH_MEDIAN}, sigma {LENGTH_SIGMA}) words, clipped to "
+                            f"[{LENGTH_MIN}, {LENGTH_MAX}]; prompt 10-50 % (uniform), the rest completion",
+            "documented_percentiles": LENGTH_PERCENTILES, "examples": n, "seed": seed,
+            "sample_percentiles": length_percentiles(lengths), "words": sum(lengths),
+            "prompt_share": round(prompt_words / max(1, sum(lengths)), 3)}
+
+
+def parse_result(text: str) -> dict | None:
+    """The last `RESULT {...}` line a case printed (a progress bar's carriage return may precede it), or None."""
+    import re
+
+    found = re.findall(r"RESULT (\{.*\})", text or "")
+    for line in reversed(found):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
