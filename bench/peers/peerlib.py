@@ -254,18 +254,14 @@ def write(out: str, rec: dict) -> None:
     print("RESULT " + json.dumps(short), flush=True)
 
 
-def run_case(stack: str, args, body, **extra) -> dict:
-    """Run `body(rec, clock)` (which builds and trains) and write one record, whatever happens.
-
-    `body` fills `rec` (load seconds, `_retries0` from `reset_peaks`...) and drives `clock`; an exception becomes
-    the record's outcome. SIGTERM (`timeout`) writes the record at once and exits 124: libraries may swallow an
-    exception raised from a signal handler, so the handler does not rely on one.
-    """
+def record_whatever_happens(rec: dict, args, run, summarize, progress, in_process: bool = True) -> dict:
+    """Run `run()` and write `rec` once, whatever happens: an exception becomes the record's outcome, then
+    `summarize(rec)` adds the measurements and, `in_process`, this process's CUDA peaks. SIGTERM (`timeout`) writes
+    the record at once, saying how far it got (`progress()`), and exits 124: libraries may swallow an exception
+    raised from a signal handler, so the handler does not rely on one."""
     import signal
 
     t_start = time.perf_counter()
-    rec = base_record(stack, args, **extra)
-    clock = StepClock(args.device)
     written = []
 
     def finish(exc: BaseException | None) -> dict:
@@ -273,6 +269,38 @@ def run_case(stack: str, args, body, **extra) -> dict:
             return rec
         written.append(True)
         rec.update(outcome(exc))
+        summarize(rec)
+        if in_process:
+            try:
+                rec.update(cuda_stats(args.device, rec.pop("_retries0", 0)))
+            except Exception as e:  # noqa: BLE001 - a broken CUDA context after a failure
+                rec["cuda_stats_error"] = repr(e)[:200]
+        rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+        write(args.out, rec)
+        return rec
+
+    def _term(signum, frame):  # `timeout` sends SIGTERM: record the case as not finished instead of vanishing
+        finish(TimeoutError(f"stopped by signal {signum} (the case's time limit) after {progress()}"))
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, _term)
+    exc = None
+    try:
+        rec["versions"] = versions()
+        run()
+    except BaseException as e:  # noqa: BLE001 - every failure is a result here (KeyboardInterrupt included)
+        exc = e
+    return finish(exc)
+
+
+def run_case(stack: str, args, body, **extra) -> dict:
+    """Run `body(rec, clock)` (which builds and trains) and write one record, whatever happens
+    (`record_whatever_happens`). `body` fills `rec` (load seconds, `_retries0` from `reset_peaks`...) and drives
+    `clock`."""
+    rec = base_record(stack, args, **extra)
+    clock = StepClock(args.device)
+
+    def summarize(rec: dict) -> None:
         if rec["fits"] and len(clock.seconds) < args.steps:
             rec.update({"fits": None, "error": f"only {len(clock.seconds)} of {args.steps} steps were timed"})
         rec.update(clock.summary(rec["tokens_per_step"]))
@@ -280,39 +308,21 @@ def run_case(stack: str, args, body, **extra) -> dict:
             rec["losses"] = [round(x, 4) for x in clock.losses[:64]]
         if not rec["fits"]:
             rec["tokens_per_s"] = rec["tokens_per_s_wall"] = None
-        try:
-            rec.update(cuda_stats(args.device, rec.pop("_retries0", 0)))
-        except Exception as e:  # noqa: BLE001 - a broken CUDA context after a failure
-            rec["cuda_stats_error"] = repr(e)[:200]
-        rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-        write(args.out, rec)
-        return rec
 
-    def _term(signum, frame):  # `timeout` sends SIGTERM: record the case as not finished instead of vanishing
-        finish(TimeoutError(f"stopped by signal {signum} (the case's time limit) after "
-                            f"{len(clock.seconds)} timed steps"))
-        os._exit(124)
-
-    signal.signal(signal.SIGTERM, _term)
-    exc = None
-    try:
-        rec["versions"] = versions()
-        body(rec, clock)
-    except BaseException as e:  # noqa: BLE001 - every failure is a result here (KeyboardInterrupt included)
-        exc = e
-    return finish(exc)
+    return record_whatever_happens(rec, args, lambda: body(rec, clock), summarize,
+                                   lambda: f"{len(clock.seconds)} timed steps")
 
 
 # ---- issue 14, "real-length data" and "context per card size" (bench/peers/real_length.py, unsloth_max_context.py)
 
 #: The instruction-like length distribution every stack of real_length.py trains on: an example's words (= tokens of
 #: the peers' word-level tokenizer, before each stack's eos) are lognormal with median 300 and sigma 0.9, rounded and
-#: clipped to [32, 2048]. Percentiles of the distribution: p10 95, p25 164, p50 300, p75 550, p90 951, p95 1318,
+#: clipped to [32, 2048]. Percentiles of the distribution: p10 95, p25 163, p50 300, p75 550, p90 951, p95 1318,
 #: p99 2048 (1.6 % of the examples sit at the 2048 clip; mean about 435).
 LENGTH_MEDIAN = 300
 LENGTH_SIGMA = 0.9
 LENGTH_MIN, LENGTH_MAX = 32, 2048
-LENGTH_PERCENTILES = {"p10": 95, "p25": 164, "p50": 300, "p75": 550, "p90": 951, "p95": 1318, "p99": 2048}
+LENGTH_PERCENTILES = {"p10": 95, "p25": 163, "p50": 300, "p75": 550, "p90": 951, "p95": 1318, "p99": 2048}
 
 
 def instruction_lengths(n: int, seed: int = 0) -> list[int]:

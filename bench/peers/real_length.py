@@ -1,7 +1,7 @@
 """Issue 14, "real-length data": each stack's trained tokens/s on the same instruction-like length distribution.
 
 Every stack reads the same seeded prompt/completion records (peerlib.write_length_data: an example's words are
-lognormal, median 300, sigma 0.9, clipped to [32, 2048]; distribution percentiles p10 95, p25 164, p50 300, p75 550,
+lognormal, median 300, sigma 0.9, clipped to [32, 2048]; distribution percentiles p10 95, p25 163, p50 300, p75 550,
 p90 951, p95 1318, p99 2048, mean about 435; the 2,000 records of seed 0 measure p10 96, p25 170, p50 304, p75 545,
 p90 938, p95 1332, p99 2048, mean 438, 1.85 % at 2048; the prompt is 10-50 % of an example and is not trained),
 the same model folder (bench/peers/make_model.py: Llama-3.1-8B-shaped, random bf16 weights, word-level tokenizer),
@@ -39,17 +39,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
 
-from bench.peers.peerlib import (StepClock, cuda_stats, outcome, reset_peaks, start_cuda,  # noqa: E402
-                                 trainer_callback, versions, write, write_length_data)
+from bench.peers.peerlib import (StepClock, record_whatever_happens, reset_peaks, start_cuda,  # noqa: E402
+                                 trainer_callback, write_length_data)
 
 STACKS = ("hf_trainer", "trl_packing", "fitune")
 MICRO_BATCH = {"hf_trainer": 4, "trl_packing": 2}
@@ -114,7 +114,7 @@ class Tally:
         return out
 
 
-def summarize(steps: list[dict], skip: int = 2) -> dict:
+def summarize_steps(steps: list[dict], skip: int = 2) -> dict:
     """Rates over steps 3 and later (all steps when there are fewer): per-step medians and sums over sums."""
     steady = steps[skip:] if len(steps) > skip else steps
     out: dict = {"steps_done": len(steps)}
@@ -136,57 +136,36 @@ def summarize(steps: list[dict], skip: int = 2) -> dict:
 
 
 def run_varlen_case(stack: str, args, body, in_process: bool = True, **extra) -> dict:
-    """peerlib.run_case for steps of varying size: `body(rec, tally)` trains; one record is written whatever
-    happens (SIGTERM from `timeout` included, exit 124). `in_process`: CUDA peaks from this process (the HF
-    stacks); fitune's come from its metrics.jsonl."""
-    t_start = time.perf_counter()
+    """peerlib.run_case for steps of varying size: `body(rec, tally, data)` trains; one record is written whatever
+    happens (`peerlib.record_whatever_happens`). `in_process`: CUDA peaks from this process (the HF stacks);
+    fitune's come from its metrics.jsonl."""
     rec = {"stack": stack, "workload": "real_length", "device": args.device,
            "cap": args.cap if args.device == "cuda" else None, "micro_batch_size": args.micro_batch,
            "grad_accum": args.grad_accum, "steps": args.steps, "max_length": args.max_length,
            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "targets": TARGETS}, "optim": "adamw_torch", **extra}
     tally = Tally(args.device)
-    written = []
 
-    def finish(exc: BaseException | None) -> dict:
-        if written:
-            return rec
-        written.append(True)
-        rec.update(outcome(exc))
+    def summarize(rec: dict) -> None:
         steps = tally.steps(rec.get("grad_accum") or 1)
         if rec["fits"] and len(steps) < args.steps:
             rec.update({"fits": None, "error": f"only {len(steps)} of {args.steps} steps were counted"})
-        rec.update(summarize(steps))
+        rec.update(summarize_steps(steps))
         if not rec["fits"]:
             for key in [k for k in rec if k.endswith("tokens_per_s") or k.endswith("tokens_per_s_total")]:
                 rec[key] = None
         if getattr(tally.clock, "losses", None):
             rec["losses"] = [round(x, 4) for x in tally.clock.losses[:64]]
-        if in_process:
-            try:
-                rec.update(cuda_stats(args.device, rec.pop("_retries0", 0)))
-            except Exception as e:  # noqa: BLE001 - a broken CUDA context after a failure
-                rec["cuda_stats_error"] = repr(e)[:200]
-        rec["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-        write(args.out, rec)
-        return rec
 
-    def _term(signum, frame):
-        finish(TimeoutError(f"stopped by signal {signum} (the case's time limit) after "
-                            f"{len(tally.steps(rec.get('grad_accum') or 1))} counted steps"))
-        os._exit(124)
-
-    signal.signal(signal.SIGTERM, _term)
-    exc = None
-    try:
-        rec["versions"] = versions()
+    def run() -> None:
         os.makedirs(args.work, exist_ok=True)
         data = os.path.join(args.work, f"data_{args.examples}_seed{args.seed}.jsonl")
         rec["data"] = write_length_data(data, args.examples, args.seed)
         rec["data_file"] = data
         body(rec, tally, data)
-    except BaseException as e:  # noqa: BLE001 - every failure is a result here
-        exc = e
-    return finish(exc)
+
+    return record_whatever_happens(rec, args, run, summarize,
+                                   lambda: f"{len(tally.steps(rec.get('grad_accum') or 1))} counted steps",
+                                   in_process)
 
 
 # ---- the stacks --------------------------------------------------------------------------------------------
@@ -322,7 +301,12 @@ def fitune_body(args):
                              args.model_dir, "--method", "lora", "--lora-rank", "8", "--lora-targets",
                              ",".join(TARGETS), "--write", plan_path]
         rec["plan_command"] = " ".join(plan_cmd[2:])
-        proc = subprocess.run(plan_cmd, capture_output=True, text=True, timeout=max(30, deadline - time.monotonic()))
+        path = os.environ.get("PYTHONPATH")  # this checkout first on the subprocesses' path
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT) + (os.pathsep + path if path else ""))
+        if args.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        proc = subprocess.run(plan_cmd, capture_output=True, text=True, env=env,
+                              timeout=max(30, deadline - time.monotonic()))
         if proc.returncode != 0:
             raise RuntimeError(f"fitune plan exit {proc.returncode}: {_tail(proc)}")
         cfg = yaml.safe_load(open(plan_path))
@@ -341,9 +325,6 @@ def fitune_body(args):
                                                 "packing_attention", "grad_checkpointing", "attn", "optimizer",
                                                 "loss", "kernels", "tiled_mlp", "lean_lora", "lean_norm",
                                                 "expandable_segments")}
-        env = dict(os.environ)
-        if args.device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
         t0 = time.perf_counter()
         proc = subprocess.run(fitune + ["train", plan_path, "--no-progress"], capture_output=True, text=True,
                               env=env, timeout=max(30, deadline - time.monotonic()))

@@ -28,17 +28,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=
 WORK=${PEERS_WORK:-/tmp/fitune_peers}
 export UNSLOTH_COMPILE_LOCATION=$WORK/unsloth_compiled_cache HF_HOME=$WORK/hf_home
 LOGS=${PEERS_LOGS:-$WORK/logs}  # one log per case; the device returns few files, so $OUT gets logs_tail.txt
-mkdir -p "$LOGS" "$WORK"
+mkdir -p "$OUT" "$LOGS" "$WORK"
 RES=$OUT/peers.jsonl
 PY=${PYTHON:-python3}
 DEVICE=${PEERS_DEVICE:-cuda}   # cpu + PEERS_MAKE_ARGS="--hidden 64 ..." only to test this script without a GPU
 
-{
-  date -u; nvidia-smi -L 2>&1; df -h "$WORK" 2>&1 | tail -1; free -g 2>&1 | head -2
-  "$PY" -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "cuda", torch.cuda.is_available())' 2>&1
-  echo "PYTHONPATH=$PYTHONPATH quick=$QUICK budget=${BUDGET}s case_timeout=${CASE_LIMIT}s"
-} > "$OUT/env.txt"
-cat "$OUT/env.txt"
+. bench/peers/common.sh
+write_env "quick=$QUICK budget=${BUDGET}s case_timeout=${CASE_LIMIT}s"
 
 if [ $QUICK = 1 ]; then
   MODEL=$WORK/llama8b_l2; STEPS=6; MAKE_ARGS=(--layers 2)
@@ -48,14 +44,7 @@ fi
 if [ -n "${PEERS_MAKE_ARGS:-}" ]; then
   read -r -a extra <<< "$PEERS_MAKE_ARGS"; MAKE_ARGS+=("${extra[@]}"); MODEL=$MODEL.custom
 fi
-if [ ! -f "$MODEL/peers_meta.json" ]; then
-  echo "### make_model -> $MODEL"
-  if ! timeout 300 "$PY" bench/peers/make_model.py --out "$MODEL" --device "$DEVICE" "${MAKE_ARGS[@]}" > "$LOGS/make_model.log" 2>&1; then
-    echo "make_model failed:"; tail -20 "$LOGS/make_model.log"; exit 1
-  fi
-  tail -1 "$LOGS/make_model.log"
-fi
-echo "### model ready at $(( $(date +%s) - T0 ))s"
+make_model_once "$MODEL" "${MAKE_ARGS[@]}"
 
 n=0
 run_case() {  # run_case NAME SCRIPT ARGS...: one candidate in its own process

@@ -1,0 +1,25 @@
+# Shared by bench/peers/run.sh and run_more.sh (sourced, not run): the machine's description and the model folder.
+# Both expect PY, WORK, OUT, LOGS, DEVICE and T0 to be set.
+
+# write_env "settings line": $OUT/env.txt (the machine, the library versions, this call's settings), also printed
+write_env() {
+  {
+    date -u; nvidia-smi -L 2>&1; df -h "$WORK" 2>&1 | tail -1; free -g 2>&1 | head -2
+    "$PY" -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "cuda", torch.cuda.is_available())' 2>&1
+    echo "PYTHONPATH=$PYTHONPATH $1"
+  } > "$OUT/env.txt"
+  cat "$OUT/env.txt"
+}
+
+# make_model_once MODEL [make_model.py args...]: the random-weight model folder, made unless it is already there
+make_model_once() {
+  local model=$1; shift
+  if [ ! -f "$model/peers_meta.json" ]; then
+    echo "### make_model -> $model"
+    if ! timeout 300 "$PY" bench/peers/make_model.py --out "$model" --device "$DEVICE" "$@" > "$LOGS/make_model.log" 2>&1; then
+      echo "make_model failed:"; tail -20 "$LOGS/make_model.log"; exit 1
+    fi
+    tail -1 "$LOGS/make_model.log"
+  fi
+  echo "### model ready at $(( $(date +%s) - T0 ))s"
+}
