@@ -142,7 +142,7 @@ def method_table(rows: list[AccuracyRow]) -> str:
 #: The committed GPU records the planner's evidence (fitune/specs/data/measured.json) is made of: (path under the
 #: repository, reader, sample). bench/results/issue12/full_recipe.jsonl is left out: its cases after the first of each
 #: process started with the previous case's memory still cached (its allocation traces are used, not its peaks).
-#: "out": measured after the estimator's last change (2026-12-03: fitune's runner on five models,
+#: "out": measured after the estimator's last change (2026-12-03: fitune's runner on four models,
 #: bench/speed_calibration.py, and the ranking check's `fitune train` runs), a test of its predictions.
 SOURCES = (
     ("bench/results/hf_recipe/hf_recipe.jsonl", "recipe", "in"),
