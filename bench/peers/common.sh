@@ -1,5 +1,12 @@
-# Shared by bench/peers/run.sh and run_more.sh (sourced, not run): the machine's description and the model folder.
-# Both expect PY, WORK, OUT, LOGS, DEVICE and T0 to be set.
+# Shared by bench/peers/run.sh and run_more.sh (sourced from the repo root, not run): the environment every peer
+# runs in (offline, unbuffered), the work folder, the machine's description and the model folder.
+# The functions expect PY, OUT, LOGS, DEVICE and T0 to be set.
+
+export PYTHONPATH=${PYTHONPATH:-.:$PWD/.peers_site}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=1
+WORK=${PEERS_WORK:-/tmp/fitune_peers}
+export UNSLOTH_COMPILE_LOCATION=$WORK/unsloth_compiled_cache HF_HOME=$WORK/hf_home
 
 # write_env "settings line": $OUT/env.txt (the machine, the library versions, this call's settings), also printed
 write_env() {

@@ -22,18 +22,13 @@ cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 BUDGET=${PEERS_BUDGET_S:-540}
 CASE_LIMIT=${PEERS_CASE_TIMEOUT_S:-150}
-export PYTHONPATH=${PYTHONPATH:-.:$PWD/.peers_site}
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=1
-WORK=${PEERS_WORK:-/tmp/fitune_peers}
-export UNSLOTH_COMPILE_LOCATION=$WORK/unsloth_compiled_cache HF_HOME=$WORK/hf_home
+. bench/peers/common.sh  # the environment (offline, unbuffered), WORK, and the helpers below
 LOGS=${PEERS_LOGS:-$WORK/logs}  # one log per case; the device returns few files, so $OUT gets logs_tail.txt
 mkdir -p "$OUT" "$LOGS" "$WORK"
 RES=$OUT/peers.jsonl
 PY=${PYTHON:-python3}
 DEVICE=${PEERS_DEVICE:-cuda}   # cpu + PEERS_MAKE_ARGS="--hidden 64 ..." only to test this script without a GPU
 
-. bench/peers/common.sh
 write_env "quick=$QUICK budget=${BUDGET}s case_timeout=${CASE_LIMIT}s"
 
 if [ $QUICK = 1 ]; then

@@ -31,11 +31,7 @@ PARTS=("$@")
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 BUDGET=${PEERS_BUDGET_S:-560}
-export PYTHONPATH=${PYTHONPATH:-.:$PWD/.peers_site}
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_TELEMETRY=1
-WORK=${PEERS_WORK:-/tmp/fitune_peers}
-export UNSLOTH_COMPILE_LOCATION=$WORK/unsloth_compiled_cache HF_HOME=$WORK/hf_home
+. bench/peers/common.sh  # the environment (offline, unbuffered), WORK, and the helpers below
 LOGS=${PEERS_LOGS:-$WORK/logs_more/$(date -u +%Y%m%d-%H%M%S)}  # this call's logs only
 mkdir -p "$LOGS" "$WORK" "$OUT"
 PY=${PYTHON:-python3}
@@ -46,7 +42,6 @@ RL_STEPS=${PEERS_RL_STEPS:-20}
 FAKE=()
 [ -n "${PEERS_FAKE_THRESHOLD:-}" ] && FAKE=(--fake-threshold "$PEERS_FAKE_THRESHOLD")
 
-. bench/peers/common.sh
 write_env "budget=${BUDGET}s parts=${PARTS[*]} device=$DEVICE"
 
 MODEL=$WORK/llama8b
