@@ -558,3 +558,47 @@ def test_docs_plan_error_table_matches_the_fit():
     result, loo = throughput.fit_report(measured)
     doc = open(os.path.join(ROOT, "docs", "plan.md"), encoding="utf-8").read()
     assert throughput.error_table(measured, list(result.errors), loo) in doc
+
+
+def test_keep_outputs_plans_the_users_own_loop(capsys):
+    """`--keep-outputs`: the loop people post (`out = model(**batch); out.loss.backward()`) planned as written:
+    transformers' modules and loss, no fitune technique. At the seeds' case its micro-batch-2 plan needs allocator
+    retries (estimate 22.92 / 23.64 GiB; that script, run as written under the cap, ran out of memory in step 2:
+    bench/results/doctor/), so micro-batch 1 x 2 ranks first. --write / --emit make loops that free the output and
+    are refused with it, as is Liger (a technique of fitune's runner)."""
+    result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), keep_outputs=True))
+    assert result.plans
+    for p in result.plans:
+        s = p.setup
+        assert s.stack == "hf" and s.keep_outputs and s.loss == "hf" and s.grad_checkpointing in ("none", "full")
+        assert not (s.lean_lora or s.lean_norm or s.expandable_segments or s.tiled_mlp)
+    best = result.plans[0]
+    assert (best.setup.batch_size, best.setup.grad_accum) == (1, 2) and not best.retries_expected
+    assert any(p.retries_expected and p.setup.batch_size == 2 for p in result.plans)
+    freed = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"))).plans[0]
+    assert freed.setup.stack == "fitune" and not freed.setup.keep_outputs  # without the flag: fitune's runner
+    base = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--keep-outputs"]
+    rc, out, _ = _run(base, capsys)
+    assert rc == 0 and "--keep-outputs: plans for your own transformers + PEFT loop" in out and "--write" not in out
+    rc, out, _ = _run(base + ["--json"], capsys)
+    doc = json.loads(out)
+    assert rc == 0 and doc["request"]["keep_outputs"] is True
+    assert all(p["setup"]["keep_outputs"] and p["setup"]["stack"] == "hf" for p in doc["plans"])
+    for extra, message in ((["--write", "x.yaml"], "--write makes a fitune train config"),
+                           (["--emit", "hf"], "--emit hf prints a script"),
+                           (["--kernels", "liger"], "--kernels liger is a technique of fitune's runner"),
+                           (["--gpus", "2"], "--keep-outputs plans your own single-GPU loop")):
+        rc, out, err = _run(base + extra, capsys)
+        assert rc == 2 and message in err and "Traceback" not in err, (extra, err)
+
+
+def test_estimate_with_keep_outputs_suggests_changes_without_failing(capsys):
+    """The suggestion to switch to fitune's runner drops --keep-outputs (its loop never keeps the output)."""
+    from fitune.memory.suggest import _candidates
+
+    s = TrainSetup(keep_outputs=True, grad_checkpointing="full", batch_size=1)
+    changes = {c: t for c, _, t in _candidates(s)}
+    switched = changes["--stack fitune --loss chunked (no --keep-outputs)"]
+    assert switched.stack == "fitune" and not switched.keep_outputs
+    rc, out, err = _run(["estimate", "llama-3.1-8b", "--gpu", "rtx4090", "--keep-outputs", "--stack", "hf"], capsys)
+    assert rc == 0 and "DOES NOT FIT" in out, err

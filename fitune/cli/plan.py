@@ -80,7 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 #: TrainSetup fields the planner does not search: the user's choice stands.
 KEPT_FIELDS = ("seq_len_tokens", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "freeze_trainable_layers",
-               "kernels")
+               "kernels", "keep_outputs")
 
 
 def kept_setup(args) -> TrainSetup:
@@ -101,8 +101,8 @@ def _kernels(args, kept: TrainSetup, model) -> tuple[str, list[str]]:
     it: plan stays fast) and the architecture is one whose Liger kernels were measured, else torch."""
     import importlib.util
 
-    if getattr(args, "cfg_kernels", None) is not None:
-        return kept.kernels, []
+    if getattr(args, "cfg_kernels", None) is not None or kept.keep_outputs:
+        return kept.kernels, []  # --keep-outputs plans the user's own transformers loop: no Liger unless asked
     if model.model_type in LIGER_BY_DEFAULT and importlib.util.find_spec("liger_kernel") is not None:
         return "liger", ["kernels: liger (liger-kernel is installed; --kernels torch leaves it out)"]
     return "torch", []
@@ -135,6 +135,10 @@ def run(args) -> int:
         if host_ram is None:
             raise ConfigError(f"--host-ram {args.host_ram}: write a 1024-based amount, e.g. 64GiB")
     kept = kept_setup(args)
+    if kept.keep_outputs and (args.write or args.emit):
+        raise ConfigError(f"--keep-outputs plans your own loop as it is (it keeps the model output through backward); "
+                          f"{'--write makes a fitune train config' if args.write else '--emit hf prints a script'}, "
+                          "whose loop never keeps it: drop --keep-outputs to plan that instead")
     kernels, kernel_notes = _kernels(args, kept, model)
     data, seq_len, data_notes = None, kept.seq_len_tokens, []
     if args.data:
@@ -146,13 +150,18 @@ def run(args) -> int:
                       lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
                       freeze_trainable_layers=kept.freeze_trainable_layers, attns=available_attns(),
                       allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kernels,
-                      data=data, top=args.top)
+                      keep_outputs=kept.keep_outputs, data=data, top=args.top)
+    if kept.keep_outputs:
+        notes = ["--keep-outputs: plans for your own transformers + PEFT loop as written (the output kept through "
+                 "backward), none of fitune's techniques; `fitune doctor` shows what freeing it saves"]
+    else:
+        notes = []
     from .progress import progress_callback
 
     with progress_callback("plan: searching", "setup", enabled=not args.json) as progress:
         result = plan(req, progress=progress)
     elapsed = time.perf_counter() - t0
-    notes = kernel_notes + data_notes + batch_notes
+    notes = notes + kernel_notes + data_notes + batch_notes
     name = catalog_key(args.model)
     hf_id = model_catalog()[name].get("hf_id") if name else None
 
@@ -312,7 +321,10 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
                 lines.append(f"    {c.change:36s} {need:>10s}  {c.why}{retries}{tag}")
     for n in list(notes) + list(result.notes):
         lines.append(f"  note: {n}")
-    if result.plans:
+    if result.plans and req.keep_outputs:
+        lines.append("  next: apply the plan's micro-batch and checkpointing to your script; or free the output before "
+                     "backward (`loss = model(**batch).loss`) and plan again without --keep-outputs")
+    elif result.plans:
         lines.append("  next: add --write plan.yaml (then `fitune train plan.yaml`) or --emit hf for your own script")
     return "\n".join(lines)
 
@@ -328,7 +340,7 @@ def result_to_json(result, elapsed_s: float, notes=()) -> dict:
         "request": {"seq_len_tokens": req.seq_len_tokens, "batch_size": req.batch_size,
                     "per_gpu_batch_size": req.per_gpu_batch, "tokens_per_step": req.batch_size * req.seq_len_tokens,
                     "methods": list(req.methods), "lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha,
-                    "lora_targets": list(req.lora_targets), "dtype": req.dtype,
+                    "lora_targets": list(req.lora_targets), "dtype": req.dtype, "keep_outputs": req.keep_outputs,
                     "host_ram_bytes": req.host_ram_bytes},
         "plans": [plan_to_json(p, i) for i, p in enumerate(result.plans, 1)],
         "rejected": [{"option": r.option, "reason": r.reason, "message": r.message,

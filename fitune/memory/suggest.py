@@ -30,8 +30,13 @@ def _candidates(s: TrainSetup) -> list[tuple[str, str, TrainSetup]]:
         out.append((f"--batch-size {b} (and {s.grad_accum * s.batch_size // b}x gradient accumulation)",
                     "same effective batch, smaller steps", s.replace(batch_size=b, grad_accum=s.grad_accum * s.batch_size // b)))
     if s.loss == "hf":
-        out.append(("--stack fitune --loss chunked", "fitune train's chunked loss: the full fp32 logits never exist",
-                    s.replace(stack="fitune", loss="chunked")))
+        if s.keep_outputs:  # fitune's runner never keeps the output: the change drops --keep-outputs too
+            out.append(("--stack fitune --loss chunked (no --keep-outputs)",
+                        "fitune train: the output is not kept and the full fp32 logits never exist",
+                        s.replace(stack="fitune", loss="chunked", keep_outputs=False)))
+        else:
+            out.append(("--stack fitune --loss chunked", "fitune train's chunked loss: the full fp32 logits never exist",
+                        s.replace(stack="fitune", loss="chunked")))
     if s.method == "lora":
         out.append(("--method qlora", "4-bit NF4 base weights: slower matmuls, a small quality cost", s.replace(method="qlora")))
     if s.method in ("full", "freeze") and s.optimizer == "adamw":

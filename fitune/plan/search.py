@@ -111,6 +111,10 @@ class PlanRequest:
     kernels: str = "torch"
     """torch (transformers' modules + fitune's lean RMSNorm) | liger (the user has liger-kernel: its fused RMSNorm,
     SwiGLU and RoPE; less memory and measured faster, bench/results/issue5/)."""
+    keep_outputs: bool = False
+    """The user's own loop keeps the model output through backward (`out = model(**batch); out.loss.backward()`):
+    the plans are then for that script, not fitune's runner: transformers' modules and loss, PEFT's LoRA, no
+    fitune technique (stack hf), checkpointing none or full, one GPU."""
     data: DataProfile | None = None
     top: int = 3
     """Plans to return (each confirmed with the full estimate)."""
@@ -137,6 +141,12 @@ class PlanRequest:
             problems.append(f"--method {','.join(unknown)}: not a method; choose from lora, qlora, full, freeze")
         if not self.methods:
             problems.append("--method is empty (and --no-quantize leaves nothing): name lora, qlora, full or freeze")
+        if self.keep_outputs and self.num_gpus > 1:
+            problems.append("--keep-outputs plans your own single-GPU loop; with --gpus the plans run on fitune's "
+                            "runner, which never keeps the output: drop one of them")
+        if self.keep_outputs and self.kernels != "torch":
+            problems.append(f"--keep-outputs plans your own transformers loop; --kernels {self.kernels} is a technique "
+                            "of fitune's runner: use --kernels torch (or drop --keep-outputs)")
         if problems:
             raise ConfigError(problems)
         TrainSetup(method="lora", lora_rank=self.lora_rank, lora_targets=self.lora_targets).validate(
@@ -314,7 +324,8 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
         for gpus, strategy in parallel_options(req, method):
             per_gpu = req.batch_size // gpus
             micros = micro_batch_candidates(per_gpu)
-            for micro, ckpt, attn, loss in itertools.product(micros, RUNNABLE_CHECKPOINTING, req.attns, req.losses):
+            ckpts, losses = (("none", "full"), ("hf",)) if req.keep_outputs else (RUNNABLE_CHECKPOINTING, req.losses)
+            for micro, ckpt, attn, loss in itertools.product(micros, ckpts, req.attns, losses):
                 if ckpt == "offload" and req.host_ram_bytes is not None \
                         and _offload_host_bytes(req, micro) > req.host_ram_bytes:
                     continue  # the offloaded checkpoints would not fit in the host memory given
@@ -373,6 +384,9 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
                    lean_norm=req.kernels == "torch" and req.model.model_type in LEAN_NORM_MODEL_TYPES,
                    expandable_segments=True, tiled_mlp=g.ckpt == "offload", num_gpus=g.gpus or req.num_gpus,
                    strategy=g.strategy)
+    if req.keep_outputs:  # the user's own transformers + PEFT loop, as written: none of fitune's techniques
+        s = s.replace(stack="hf", keep_outputs=True, lean_lora=False, lean_norm=False, expandable_segments=False,
+                      tiled_mlp=False)
     return s.replace(**changes) if changes else s
 
 
@@ -673,8 +687,8 @@ def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, 
     attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
     host = _offload_host_bytes(req, 1, seq_len_tokens)
-    ckpt = "offload" if req.host_ram_bytes is None or host <= req.host_ram_bytes else "full"
-    g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses else "hf")
+    ckpt = "offload" if (req.host_ram_bytes is None or host <= req.host_ram_bytes) and not req.keep_outputs else "full"
+    g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf")
     s = _setup(req, g, opt, **changes)
     return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
 
