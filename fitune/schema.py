@@ -369,6 +369,23 @@ def _unknown_key(path: str, tree: dict, prefix: str) -> str:
     return f"{path}: not a fitune key ({where}known: {', '.join(sorted(known))})"
 
 
+def unknown_flag_hint(flag: str, known_flags: list[str], keys: list[Key]) -> str:
+    """'; did you mean --batch-size? (`per_device_train_batch_size` is how other trainers spell it)' for a flag the
+    command does not have: another trainer's name for one of fitune's keys (FOREIGN_KEYS, written with - or _), else
+    the closest of the command's own flags; '' when nothing is close."""
+    name = flag.lstrip("-").split("=", 1)[0]
+    foreign = FOREIGN_KEYS.get(name.replace("-", "_").lower())
+    if foreign is not None:
+        target, _, value = (part.strip() for part in foreign.partition(":"))
+        match = next((k for k in keys if target in (k.yaml, k.field) and k.flag in known_flags), None)
+        if match is not None:
+            return (f"; did you mean {match.flag}{' ' + value if value else ''}? (`{name}` is how other trainers "
+                    "spell it)")
+        return f"; `{name}` is fitune's `{foreign}`, which this command does not take"
+    close = difflib.get_close_matches(flag.split("=", 1)[0], known_flags, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def _paths(tree: dict, prefix: str) -> list[str]:
     out = []
     for name, node in tree.items():

@@ -27,9 +27,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str], argv) -> int:
+    """Flags the command does not have: one line each, with a "did you mean" that knows how HF Trainer, TRL, PEFT,
+    Axolotl and torchtune spell fitune's keys (`--per-device-train-batch-size` -> `--batch-size`); exit 2. Anything
+    else (a stray value) gets argparse's own message."""
+    from ..config import ALL_KEYS
+    from ..schema import unknown_flag_hint
+
+    flags = [e for e in extras if e.startswith("--")]
+    command = getattr(args, "command", None)
+    if not flags or not command:
+        parser.parse_args(argv)  # argparse prints usage and its message, and exits 2
+        return 2
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = sorted(s for s in sub._option_string_actions if s.startswith("--"))
+    for flag in flags:
+        print(f"fitune {command}: error: {flag.split('=', 1)[0]} is not a flag of fitune {command}"
+              f"{unknown_flag_hint(flag, known, ALL_KEYS)} (fitune {command} --help lists them)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        return _unknown_arguments(parser, args, extras, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if not getattr(args, "run", None):
         parser.print_help()
