@@ -14,6 +14,8 @@ cases, so a group keeps them fixed, and the tiled MLP, which stays patched, runs
   qlora       QLoRA (NF4 base weights), lean RMSNorm, lean LoRA
   qlora_liger QLoRA with Liger's kernels
   full        full fine-tuning (AdamW), lean RMSNorm
+  lora_compile, qlora_compile  each decoder layer compiled (issue 14), lean LoRA, no lean RMSNorm / Liger (the
+              compiled layer fuses them); compilation is paid in step 1, the median is over steps 3 and later
 
     export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
     python3 bench/speed_calibration.py --model llama-3.2-1b --group lora --out $OUT/speed.jsonl
@@ -42,11 +44,18 @@ ALL = ("all-linear",)
 def cases(group: str, model_type: str) -> list[TrainSetup]:
     """The setups one group measures, in order (the tiled MLP last: it stays patched)."""
     liger = group.endswith("_liger")
+    compiled = group.endswith("_compile")
     method = group.split("_")[0]
     base = TrainSetup(method="qlora" if method == "qlora" else "lora", lora_rank=8, lora_targets=QV, batch_size=2,
                       seq_len_tokens=2048, loss="chunked", lean_lora=method != "full",
-                      lean_norm=not liger and model_type in LEAN_NORM_TYPES, kernels="liger" if liger else "torch",
-                      expandable_segments=True, stack="fitune")
+                      lean_norm=not (liger or compiled) and model_type in LEAN_NORM_TYPES,
+                      kernels="liger" if liger else "torch", expandable_segments=True, stack="fitune",
+                      compile="layers" if compiled else "none")
+    if compiled:
+        long = base.replace(lora_rank=32, lora_targets=ALL, batch_size=1)
+        return [base, base.replace(batch_size=1, grad_accum=2), base.replace(grad_checkpointing="full"),
+                long.replace(seq_len_tokens=8192, grad_checkpointing="full"),
+                base.replace(batch_size=1, seq_len_tokens=4096)]
     if method == "full":
         f = base.replace(method="full", lean_lora=False)
         return [f, f.replace(grad_checkpointing="full"), f.replace(batch_size=1, grad_accum=2),
@@ -101,6 +110,10 @@ def run_case(model_base, spec, setup: TrainSetup, steps: int, device: str = "cud
     del opt
     if setup.grad_checkpointing != "none":
         set_checkpointing(model, False)
+    if setup.compile == "layers":
+        from fitune.runtime.techniques.compile_layers import disable_compiled_layers
+
+        disable_compiled_layers(model)
     if setup.method in ("lora", "qlora"):
         model.unload()
     gc.collect()
@@ -112,7 +125,8 @@ def run_case(model_base, spec, setup: TrainSetup, steps: int, device: str = "cud
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--group", required=True, choices=("lora", "lora_liger", "qlora", "qlora_liger", "full"))
+    p.add_argument("--group", required=True, choices=("lora", "lora_liger", "qlora", "qlora_liger", "full",
+                                                             "lora_compile", "qlora_compile"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")

@@ -9,6 +9,12 @@ child processes' largest resident set (host memory, offload), and fitune's estim
 
     export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
     python3 bench/zero_single_gpu.py --out $OUT --steps 10
+
+--runs NAME[,NAME...] picks runs by name (workload-strategy: lora8b-zero3_offload); --memory-history NAME[,...] records
+PyTorch's allocator history in those runs' training process (rank 0, no stacks: bench/_with_memory_history.py) and
+writes its summary to --out/NAME.memory.json: the peak of live bytes replayed from the trace, the blocks live then by
+size, the phase it fell in (building the model, deepspeed.initialize, step N, ...). The runs' folders, configs and
+full logs go to --work (a temporary folder by default), so --out holds zero.jsonl, the summaries and logs_tail.txt.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -34,6 +41,9 @@ WORKLOADS = {
     "full1b": {"model": "llama-3.2-1b", "method": "full"},
 }
 STRATEGIES = ("none", "zero2", "zero3", "zero3_offload")
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOG_TAIL_LINES = 40
+"""Lines of each run's log that go into --out/logs_tail.txt (the whole log stays in --work)."""
 
 
 def estimate_of(cfg: dict) -> dict:
@@ -54,61 +64,107 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--runs", default=None,
+                   help="only these runs, by name (workload-strategy, comma-separated): lora8b-zero3_offload,...")
+    p.add_argument("--memory-history", default="",
+                   help="runs (by name, comma-separated) that record the allocator history (summary: OUT/NAME.memory.json)")
+    p.add_argument("--work", default=None, help="the runs' folders, configs and logs (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=240)
     args = p.parse_args()
-    work = os.path.join(args.out, "work")
+    names = [f"{wl}-{st}" for wl in args.workloads.split(",") for st in args.strategies.split(",")]
+    if args.runs:
+        wanted = args.runs.split(",")
+        unknown = sorted(set(wanted) - {f"{wl}-{st}" for wl in WORKLOADS for st in STRATEGIES})
+        if unknown:
+            p.error(f"--runs: unknown {unknown}; names are workload-strategy, workloads {', '.join(WORKLOADS)}, "
+                    f"strategies {', '.join(STRATEGIES)}")
+        names = wanted
+    traced = set(filter(None, args.memory_history.split(",")))
+    if traced - set(names):
+        p.error(f"--memory-history: {sorted(traced - set(names))} are not among the runs ({', '.join(names)})")
+    os.makedirs(args.out, exist_ok=True)
+    work = args.work or tempfile.mkdtemp(prefix="fitune-zero-")
     os.makedirs(work, exist_ok=True)
     words = synthetic_words(4000)
     tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
     data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=2100)
     results = os.path.join(args.out, "zero.jsonl")
-    for wl in args.workloads.split(","):
-        for strategy in args.strategies.split(","):
-            name = f"{wl}-{strategy}"
-            cfg = {**WORKLOADS[wl], "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
-                   "dtype": "bf16", "seq_len": 2048, "batch_size": 2, "grad_accum": 1, "grad_checkpointing": "full",
-                   "attn": "sdpa", "optimizer": "adamw", "max_steps": args.steps, "lr": 1e-5, "schedule": "constant",
-                   "output_dir": os.path.join(work, name)}
-            if strategy != "none":
-                cfg.update({"gpus": 1, "strategy": strategy})
-            path = os.path.join(work, f"{name}.yaml")
-            with open(path, "w") as f:
-                yaml.safe_dump(cfg, f)
-            record = {"run": name, "workload": wl, "strategy": strategy, "config": cfg}
+    for name in names:
+        wl, strategy = name.split("-", 1)
+        cfg = {**WORKLOADS[wl], "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
+               "dtype": "bf16", "seq_len": 2048, "batch_size": 2, "grad_accum": 1, "grad_checkpointing": "full",
+               "attn": "sdpa", "optimizer": "adamw", "max_steps": args.steps, "lr": 1e-5, "schedule": "constant",
+               "output_dir": os.path.join(work, name)}
+        if strategy != "none":
+            cfg.update({"gpus": 1, "strategy": strategy})
+        path = os.path.join(work, f"{name}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        record = {"run": name, "workload": wl, "strategy": strategy, "config": cfg}
+        try:
+            record.update(estimate_of(cfg))
+        except Exception as exc:  # noqa: BLE001 - the run still counts without an estimate
+            record["estimate_error"] = repr(exc)
+        cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]
+        summary = os.path.join(args.out, f"{name}.memory.json")
+        if os.path.exists(summary):
+            os.remove(summary)  # an earlier bench's: never read as this run's
+        if name in traced:  # the same command, through the wrapper that records in the training process
+            cmd = [sys.executable, os.path.join(HERE, "_with_memory_history.py"), "--summary", summary, "--",
+                   "train", path, "--no-progress"]
+        print("###", name, " ".join(cmd), flush=True)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        t0 = time.time()
+        log_path = os.path.join(work, f"{name}.log")
+        with open(log_path, "w") as log:
             try:
-                record.update(estimate_of(cfg))
-            except Exception as exc:  # noqa: BLE001 - the run still counts without an estimate
-                record["estimate_error"] = repr(exc)
-            cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]
-            print("###", name, " ".join(cmd), flush=True)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-            t0 = time.time()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                record["exit"], tail = proc.returncode, (proc.stdout[-1500:] + proc.stderr[-2500:])
-            except subprocess.TimeoutExpired as exc:
-                record["exit"], tail = "timeout", str(exc)[-2000:]
-            record["wall_s"] = round(time.time() - t0, 1)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-            record["max_child_rss_bytes"] = after * 1024 if after > before else None  # None: not above an earlier run
-            metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
-            steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
-            steps = [s for s in steps if "tokens_per_s" in s]
-            record["steps"] = steps
-            if steps:
-                steady = [s["tokens_per_s"] for s in steps[2:]] or [s["tokens_per_s"] for s in steps]
-                record["tokens_per_s_median"] = statistics.median(steady)
-                record["peak_allocated_bytes"] = max(s["peak_allocated_bytes"] or 0 for s in steps)
-                record["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0 for s in steps)
-            record["log_tail"] = tail
-            with open(results, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(json.dumps({k: record.get(k) for k in ("run", "exit", "wall_s", "tokens_per_s_median",
-                                                         "peak_allocated_bytes", "peak_reserved_bytes",
-                                                         "estimate_peak_allocated_bytes")}), flush=True)
-            if record["exit"] != 0:
-                print(tail, flush=True)
+                record["exit"] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                record["exit"] = "timeout"
+        with open(log_path, errors="replace") as log:
+            lines = log.read().splitlines()
+        tail = "\n".join(lines[-LOG_TAIL_LINES:])
+        with open(os.path.join(args.out, "logs_tail.txt"), "a") as f:
+            f.write(f"### {name} exit {record['exit']}\n{tail}\n")
+        record["wall_s"] = round(time.time() - t0, 1)
+        if name in traced:
+            record["memory_history"] = _memory_history_brief(summary)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        record["max_child_rss_bytes"] = after * 1024 if after > before else None  # None: not above an earlier run
+        metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
+        steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        steps = [s for s in steps if "tokens_per_s" in s]
+        record["steps"] = steps
+        if steps:
+            steady = [s["tokens_per_s"] for s in steps[2:]] or [s["tokens_per_s"] for s in steps]
+            record["tokens_per_s_median"] = statistics.median(steady)
+            record["peak_allocated_bytes"] = max(s["peak_allocated_bytes"] or 0 for s in steps)
+            record["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0 for s in steps)
+        record["log_tail"] = tail[-4000:]
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: record.get(k) for k in ("run", "exit", "wall_s", "tokens_per_s_median",
+                                                     "peak_allocated_bytes", "peak_reserved_bytes",
+                                                     "estimate_peak_allocated_bytes", "memory_history")}),
+              flush=True)
+        if record["exit"] != 0:
+            print(tail[-3000:], flush=True)
     return 0
+
+
+def _memory_history_brief(path: str) -> dict:
+    """The few numbers of a run's allocator-history summary that its zero.jsonl line carries (the rest: `path`)."""
+    if not os.path.exists(path):
+        return {"summary": None, "why": "no summary written (the run failed before rank 0 finished training?)"}
+    with open(path) as f:
+        s = json.load(f)
+    return {"summary": os.path.basename(path),
+            **{k: s.get(k) for k in ("trace_events", "trace_full", "peak_live_bytes", "peak_reserved_bytes", "error",
+                                     "note")},
+            "peak_phase": (s.get("peak") or {}).get("phase"),
+            "peak_reserved_phase": (s.get("peak_reserved") or {}).get("phase"),
+            "largest_at_peak": (s.get("live_at_peak_by_size") or [])[:5]}
 
 
 if __name__ == "__main__":

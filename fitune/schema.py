@@ -121,7 +121,7 @@ FOREIGN_KEYS: dict[str, str] = {
     # torchtune
     "lora_attn_modules": "lora.targets", "enable_activation_checkpointing": "grad_checkpointing",
     "enable_activation_offloading": "grad_checkpointing: offload", "epochs_": "epochs",
-    "max_steps_per_epoch": "max_steps", "compile": "not supported (fitune does not torch.compile yet)",
+    "max_steps_per_epoch": "max_steps", "torch_compile": "compile: layers (each decoder layer; fitune's runner)",
 }
 
 #: Keys under `lora:` that PEFT / torchtune spell otherwise.
@@ -183,6 +183,8 @@ def coerce(k: Key, value: Any, origin: str, problems: Problems) -> Any:
     if k.kind in ("int", "float"):
         return _number(k, value, name, problems)
     if k.kind == "choice":
+        if isinstance(value, bool) and "true" in dict(k.value_aliases):  # torchtune's / Axolotl's `compile: true`
+            value = "true" if value else "false"
         return _choice(k, value, name, problems)
     if k.kind == "checkpointing":
         if isinstance(value, bool):  # HF's gradient_checkpointing: true

@@ -21,6 +21,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
 LOSSES = ("hf", "chunked")
 STACKS = ("hf", "fitune")
 KERNELS = ("torch", "liger")
+COMPILES = ("none", "layers")
 CHECKPOINTING = ("none", "full", "offload", "selective:K")
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3", "zero3_offload")
 ALL_LINEAR = "all-linear"
@@ -39,6 +40,8 @@ _STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "deepspeed_zero2": "
                      "zero_2": "zero2", "deepspeed_zero3": "zero3", "zero-3": "zero3", "zero_3": "zero3",
                      "zero3-offload": "zero3_offload", "zero_offload": "zero3_offload", "no": "ddp", "none": "ddp",
                      "data_parallel": "ddp"}
+_COMPILE_ALIASES = {"true": "layers", "false": "none", "off": "none", "on": "layers", "regional": "layers",
+                    "layer": "layers", "decoder_layers": "layers", "no": "none"}
 _CKPT_ALIASES = {"true": "full", "false": "none", "off": "none", "on": "full", "unsloth": "offload",
                  "offloaded": "offload"}
 
@@ -90,6 +93,9 @@ class TrainSetup:
     kernels: str = key("torch", kind="choice", choices=KERNELS, aliases={"liger-kernel": "liger", "liger_kernel": "liger"},
                        help="fitune's runner: torch (transformers' modules) | liger (Liger Kernel's RMSNorm, SwiGLU "
                             "and RoPE; a CUDA GPU)")
+    compile: str = key("none", kind="choice", choices=COMPILES, aliases=_COMPILE_ALIASES,
+                       help="fitune's runner: layers (torch.compile each decoder layer: fused norms, RoPE, SwiGLU and "
+                            "LoRA arithmetic; a CUDA GPU; the first steps pay the compilation) | none")
     expandable_segments: bool = key(False, kind="bool", help="fitune's runner: PyTorch's allocator with expandable "
                                                              "segments (little fragmentation)")
     keep_outputs: bool = key(False, kind="bool",
@@ -220,6 +226,21 @@ class TrainSetup:
         if self.kernels == "liger" and self.lean_norm:
             problems.append(f"{name('kernels')} liger and {name('lean_norm')} both replace RMSNorm: keep one "
                             "(Liger's is faster, the lean one works without a GPU)")
+        one_of("compile", self.compile, COMPILES)
+        if self.compile == "layers":
+            if self.stack == "hf":
+                problems.append(f"{name('compile')} layers is a technique of fitune's runner: use {name('stack')} "
+                                "fitune with it")
+            if self.kernels == "liger" or self.lean_norm:
+                problems.append(f"{name('compile')} layers fuses RMSNorm, RoPE and SwiGLU itself: drop "
+                                f"{name('kernels')} liger / {name('lean_norm')} (the compiled layer was measured "
+                                "without them)")
+            if self.tiled_mlp or self.checkpointed_layers_mode == "offload":
+                problems.append(f"{name('compile')} layers was not measured with {name('tiled_mlp')} or offloaded "
+                                f"checkpointing: turn those off, or use {name('compile')} none")
+            if self.method in ("lora", "qlora") and not self.lean_lora:
+                problems.append(f"{name('compile')} layers is modelled with the lean LoRA branch: add "
+                                f"{name('lean_lora')} true")
         if self.keep_outputs and self.stack == "fitune":
             problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
                             f"model output: use {name('stack')} hf with it")

@@ -207,15 +207,86 @@ def test_deepspeed_config_is_valid_for_deepspeed():
 
 def test_zero3_on_two_cpu_ranks_trains_the_global_batch_as_one_process_does(workspace, one_process):
     """DeepSpeed ZeRO-3 through the same command (DeepSpeed's CPU accelerator, gloo; about 40 s with its
-    shared-memory op built on the first run)."""
+    shared-memory op built on the first run). The model is built partitioned (zero.Init), the adapters after it."""
     pytest.importorskip("deepspeed")
     out = str(workspace[0] / "zero3")
     run = _fitune_train(_config(workspace, "zero3"), "--gpus", "2", "--strategy", "zero3", timeout=400,
                         env_extra={"DS_ACCELERATOR": "cpu"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ZeRO stage 3 over 2 ranks" in run.stdout + run.stderr
+    # built under zero.Init (construction_context): the base model's 21 parameters were ZeRO parameters before
+    # deepspeed.initialize, which partitioned only the 8 LoRA adapters PEFT added after construction
+    assert "21 of 29 parameters" in run.stdout + run.stderr and "partitioned at construction" in run.stdout + run.stderr
     assert _losses(out) == pytest.approx(_losses(one_process), rel=1e-5)
     ref, got = _adapter(one_process), _adapter(out)
     assert sorted(got) == sorted(ref)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6)
+
+
+_ZERO3_BUILD = """
+import json, sys
+from types import SimpleNamespace
+
+import deepspeed
+import torch
+from safetensors.torch import load_file
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from fitune.parallel import ranks
+from fitune.parallel.deepspeed_engine import construction_context, param_numel, release
+from fitune.runtime.model import build_model_for_setup
+from fitune.setup import TrainSetup
+
+folder, strategy = sys.argv[1], sys.argv[2]
+ranks.start(1, strategy)
+saved = load_file(folder + "/model.safetensors")
+out = {}
+for init in ("pretrained", "random"):
+    s = TrainSetup(strategy=strategy, dtype="fp32", batch_size=2)
+    with construction_context(s, SimpleNamespace(max_grad_norm=1.0)):
+        model = build_model_for_setup(folder, s, "cpu", init=init)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = model.get_parameter(name)
+    seen = {"ds_id": hasattr(w, "ds_id"), "numel": w.numel(), "whole_numel": param_numel(w),
+            "zero3_on": is_deepspeed_zero3_enabled()}
+    with deepspeed.zero.GatheredParameters([w]):
+        whole = w.detach().clone()
+    seen["finite"] = bool(torch.isfinite(whole).all())
+    seen["std"] = float(whole.std())
+    seen["equals_saved"] = bool(torch.equal(whole, saved[name]))
+    out[init] = seen
+release()
+out["zero3_on_after_release"] = is_deepspeed_zero3_enabled()
+ranks.stop()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_offload"])
+def test_zero3_builds_the_model_partitioned(workspace, strategy):
+    """Under zero3 the model is built under zero.Init (transformers' HfDeepSpeedConfig): a decoder weight is a ZeRO
+    parameter from construction (`ds_id`: DeepSpeed's engine then skips `module.to(device)`), its placeholder is empty
+    and `ds_numel` holds its size; gathered, it holds the saved weights (pretrained) or transformers' init (random:
+    std 0.02, not nn.Linear's kaiming default). `release` ends the ZeRO-3 config for later builds in the process."""
+    pytest.importorskip("deepspeed")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, CPU_RANKS_ENV: "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", _ZERO3_BUILD, workspace[1], strategy], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.split("RESULT ", 1)[1])
+    whole = 64 * 64  # the tiny Llama's q_proj: hidden 64 x (4 heads x 16)
+    for init in ("pretrained", "random"):
+        seen = out[init]
+        assert seen["ds_id"] and seen["zero3_on"] and seen["finite"], seen
+        assert seen["numel"] == 0 and seen["whole_numel"] == whole, seen
+    assert out["pretrained"]["equals_saved"]
+    assert not out["random"]["equals_saved"] and out["random"]["std"] == pytest.approx(0.02, rel=0.2)
+    assert out["zero3_on_after_release"] is False

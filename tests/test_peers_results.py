@@ -66,3 +66,36 @@ def test_readme_summary_line_is_the_record():
     hf_liger = max(_best("hf_trainer_liger")["tokens_per_s"], _best("hf_loop_liger")["tokens_per_s"])
     assert (f"{f / _best('hf_trainer')['tokens_per_s']:.2f}x the HF Trainer, {f / hf_liger:.2f}x HF + Liger, "
             f"{f / _best('unsloth')['tokens_per_s']:.2f}x Unsloth") in readme
+
+
+def test_readme_second_call_is_the_record():
+    """The compiled-layers call (bench/results/peers/run2/): fitune along the user's path, then each peer at the
+    setup that was its fastest in the first call; the ratios the README states."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    fitune = _lines("run2/rank_check.jsonl")[0]
+    assert fitune["exit"] == 0 and fitune["plan"] == 1 and fitune["steps"] == 12
+    assert f"| **{fitune['tokens_per_s_median']:,.0f}** | {_gib(fitune['peak_allocated_bytes'])} | " \
+           f"{_gib(fitune['peak_reserved_bytes'])} |" in readme
+    peers = {r["stack"]: r for r in _lines("run2/peers.jsonl")}
+    assert set(peers) == {"hf_trainer", "hf_trainer_liger", "hf_loop_liger", "unsloth"}
+    for r in peers.values():
+        assert r["fits"] and r["cap"] == "rtx4090" and r["steps_done"] == 12
+        assert f"| {r['tokens_per_s']:,.0f} | {_gib(r['peak_allocated_bytes'])} | {_gib(r['peak_reserved_bytes'])}" \
+            in readme, r["stack"]
+    hf_liger = max(peers["hf_trainer_liger"]["tokens_per_s"], peers["hf_loop_liger"]["tokens_per_s"])
+    assert f"fitune is {fitune['tokens_per_s_median'] / hf_liger:.2f}x the fastest HF + Liger stack (the plain loop) " \
+           f"and {fitune['tokens_per_s_median'] / peers['unsloth']['tokens_per_s']:.2f}x Unsloth" in readme
+
+
+def test_readme_real_length_figures_are_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().replace("\n", " ")
+    rows = _lines("real_length.jsonl")
+    trainer = [r for r in rows if r["stack"] == "hf_trainer" and r["fits"]]
+    packing = [r for r in rows if r["stack"] == "trl_packing" and r["fits"]]
+    fitune = [r for r in rows if r["stack"] == "fitune" and r["fits"]]
+    assert len(trainer) == len(packing) == 1 and len(fitune) == 2
+    assert f"{trainer[0]['trained_tokens_per_s']:,.0f} at micro-batch 2 x 2" in readme
+    assert f"packing {packing[0]['trained_tokens_per_s']:,.0f}" in readme
+    assert (f"`fitune train` {fitune[0]['trained_tokens_per_s']:,.0f} and {fitune[1]['trained_tokens_per_s']:,.0f} "
+            "in two calls") in readme
+    assert all(r["setup"]["packing"] is False for r in fitune)  # what the README says the plan chose

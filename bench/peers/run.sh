@@ -8,6 +8,7 @@
 #   export PYTHONPATH=.:$PWD/.peers_site HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
 #   bash bench/peers/run.sh $OUT            # every candidate, 12 steps (about 8 minutes)
 #   bash bench/peers/run.sh $OUT --quick    # smoke test: 2-layer model, one candidate per stack, 6 steps
+#   PEERS_PASSES=1 bash bench/peers/run.sh $OUT   # pass 1 only: each stack's likeliest best
 #
 # Results: $OUT/peers.jsonl (one JSON line per candidate), $OUT/logs_tail.txt (the end of each case's log, kept
 # in $PEERS_LOGS), $OUT/env.txt.
@@ -71,7 +72,7 @@ run_case hf_trainer.full.m2          hf_trainer --grad-checkpointing full
 run_case hf_trainer_liger.none.m1x2  hf_trainer --liger --grad-checkpointing none --micro-batch 1 --grad-accum 2
 run_case hf_loop_liger.none.m1x2     hf_loop --liger --grad-checkpointing none --micro-batch 1 --grad-accum 2
 run_case unsloth.unsloth.m2          unsloth_run --grad-checkpointing unsloth
-if [ $QUICK = 0 ]; then
+if [ $QUICK = 0 ] && [ "${PEERS_PASSES:-2}" = 2 ]; then  # PEERS_PASSES=1: pass 1 only
   # pass 2: the other candidates, likely out-of-memory ones last
   run_case unsloth.none.m1x2         unsloth_run --grad-checkpointing none --micro-batch 1 --grad-accum 2
   run_case hf_trainer_liger.full.m2  hf_trainer --liger --grad-checkpointing full

@@ -174,7 +174,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         use_cache=mode == "none" and setup.stack == "hf",
         tiled_mlp_tokens=TILE_TOKENS if setup.tiled_mlp else 0,
         lean_lora=setup.lean_lora, lean_norm_rows=LEAN_NORM_ROWS if setup.lean_norm else 0,
-        liger=setup.kernels == "liger",
+        liger=setup.kernels == "liger", compiled=setup.compile == "layers",
     )
     step_start = len(tape.events)
     rank = parallel_terms.RankStep(layout, ag, model.num_layers, setup.optimizer) if layout is not None else None

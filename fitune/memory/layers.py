@@ -33,6 +33,7 @@ class LayerContext:
     lean_lora: bool = False  # fitune's lean LoRA branch (fitune/runtime/techniques/lean_lora.py)
     lean_norm_rows: int = 0  # fitune's lean RMSNorm: rows per tile (0: off; fitune/runtime/techniques/lean_norm.py)
     liger: bool = False  # Liger's RMSNorm and SwiGLU kernels (fitune/runtime/techniques/fused_kernels.py)
+    compiled: bool = False  # each decoder layer torch.compile'd (fitune/runtime/techniques/compile_layers.py)
 
     @property
     def tokens(self) -> int:
@@ -123,7 +124,11 @@ def lean_lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) 
     base = frozen_or_trainable_linear(ag, c, x, lin)
     xa = ag.new(w * r * T, True, f"{lin.name}:lora_xa")
     branch = ag.new(w * n_out * T, True, f"{lin.name}:lora_branch")
-    ag.record(branch, [x], [x, xa], [w * n_in * T], extra_bytes=w * r * T,
+    # compiled (CUDA): the partitioner recomputes the branch's input (a norm's output from the layer input and the
+    # rstd, the SwiGLU product from gate and up) instead of saving it; the attention output is saved by SDPA anyway
+    # (bench/results/speed/compile_saved.jsonl: one hidden-sized bf16 tensor where eager keeps two)
+    saved = [xa] if c.compiled else [x, xa]
+    ag.record(branch, [x], saved, [w * n_in * T], extra_bytes=w * r * T,
               param_grad_bytes=FP32 * r * (n_in + n_out), label=f"{lin.name}:lora")
     ag.drop(xa)
     out = ag.new(w * n_out * T, True, f"{lin.name}:out")
@@ -152,6 +157,8 @@ def rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, label: str, g
     rows = x.nbytes // w // width  # one rsqrt per normalised vector (per token, or per head for q/k norms)
     if c.liger and not gemma and label in LIGER_NORMS:
         return liger_rms_norm(ag, c, x, rows, label)
+    if c.compiled and not gemma and label in COMPILED_NORMS:
+        return compiled_rms_norm(ag, c, x, rows, label)
     if c.lean_norm_rows and not gemma:
         return lean_rms_norm(ag, c, x, width, rows, label)
     x32 = ag.new(FP32 * x.nbytes // w, x.requires_grad, f"{label}:fp32") if w != FP32 else x
@@ -196,6 +203,22 @@ def liger_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, rows: int, label: s
     return out
 
 
+#: The norms inside a decoder layer (what `compile: layers` compiles; the final norm stays eager).
+COMPILED_NORMS = ("input_norm", "post_attn_norm", "q_norm", "k_norm")
+
+
+def compiled_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, rows: int, label: str) -> Tensor:
+    """RMSNorm inside a compiled layer: Inductor fuses the upcast, mean of squares, rsqrt, scaling and cast into
+    one kernel writing the bf16 output and an fp32 rstd per row; the partitioner saves the input (held anyway)
+    and the rstd, and recomputes the rest in backward, which writes a new input gradient. Traced on the CPU
+    (tests/test_compile_layers.py) and measured on the H200 (bench/results/speed/speed.jsonl, group *_compile)."""
+    rs = ag.new(FP32 * rows, x.requires_grad, f"{label}:rstd")
+    out = ag.new(x.nbytes, x.requires_grad, f"{label}:out")
+    ag.record(out, [x], [x, rs], [x.nbytes], label=label)
+    ag.drop(rs)
+    return out
+
+
 def lean_rms_norm(ag: Autograd, c: LayerContext, x: Tensor, width: int, rows: int, label: str) -> Tensor:
     """fitune's lean RMSNorm (fitune/runtime/techniques/lean_norm.py): saves the input (held anyway) and one fp32
     rsqrt per row; forward and backward work `lean_norm_rows` rows at a time in fp32. Forward: the output, then
@@ -219,8 +242,13 @@ def rope(ag: Autograd, c: LayerContext, q: Tensor, label: str) -> Tensor:
     """`apply_rotary_pos_emb`: `(q * cos) + (rotate_half(q) * sin)` (modeling_llama.py L134-160).
 
     cos/sin do not require grad, so the muls save cos and sin (shared by all layers) and nothing per layer.
-    Forward temporaries: q*cos, the negated half, the concatenation, rotate_half(q)*sin.
+    Forward temporaries: q*cos, the negated half, the concatenation, rotate_half(q)*sin. In a compiled layer one
+    fused kernel writes the output, with no temporaries.
     """
+    if c.compiled:
+        out = ag.new(q.nbytes, q.requires_grad, f"{label}:rope")
+        ag.record(out, [q], [], [q.nbytes], label=label)
+        return out
     a = ag.new(q.nbytes, q.requires_grad, f"{label}:q*cos")
     neg = ag.new(q.nbytes // 2, False, f"{label}:neg")
     cat = ag.new(q.nbytes, False, f"{label}:rotate_half")
@@ -449,6 +477,12 @@ def plain_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
         prod = ag.new(w * i * T, True, "mlp:swiglu")
         ag.record_passthrough(prod, [g, u], label="swiglu")
         ag.save_only([g, u], "swiglu")
+        ag.drop(g, u)
+    elif c.compiled:  # one fused kernel: act(g) * u; saves g and u, recomputes act(g); new gradients for both
+        g = linear(ag, c, x, lins["gate_proj"])
+        u = linear(ag, c, x, lins["up_proj"])
+        prod = ag.new(w * i * T, True, "mlp:act*up")
+        ag.record(prod, [g, u], [g, u], [g.nbytes, u.nbytes], label="act*up")
         ag.drop(g, u)
     else:
         g = linear(ag, c, x, lins["gate_proj"])

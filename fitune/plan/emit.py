@@ -282,6 +282,10 @@ def _fitune_techniques(s: TrainSetup) -> list[tuple[str, str, list[str]]]:
         out.append(("offload", "enable_offloaded_checkpointing", [
             'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
             "enable_offloaded_checkpointing(model)  # each layer's input waits in pinned host memory"]))
+    if s.compile == "layers":  # last: the compiled layers trace the techniques above
+        out.append(("compile_layers", "enable_compiled_layers", [
+            "enable_compiled_layers(model)  # torch.compile each decoder layer (keep torch_compile=False: not the "
+            "whole model)"]))
     if s.loss == "chunked":
         out.append(("chunked_loss", "causal_lm_chunked_loss", []))
     return out

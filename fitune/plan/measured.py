@@ -35,12 +35,14 @@ def combination(s: TrainSetup) -> str:
     """The options of a setup that change its memory model, as one readable key."""
     techniques = [n.replace("_", "-") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments",
                                                  "keep_outputs") if getattr(s, n)]
+    if s.compile != "none":
+        techniques.append(f"compile-{s.compile}")
     return (f"{s.method}, {s.optimizer}, {s.dtype}, kernels {s.kernels}, loss {s.loss}, stack {s.stack}"
             + (f", {' + '.join(techniques)}" if techniques else ""))
 
 
 def _recipe_options(s: TrainSetup) -> bool:
-    techniques = (s.tiled_mlp, s.lean_lora, s.lean_norm, s.expandable_segments, s.keep_outputs)
+    techniques = (s.tiled_mlp, s.lean_lora, s.lean_norm, s.expandable_segments, s.keep_outputs, s.compile != "none")
     return all(getattr(s, k) in v for k, v in RECIPE.items()) and not any(techniques)
 
 

@@ -111,6 +111,10 @@ class PlanRequest:
     kernels: str = "torch"
     """torch (transformers' modules + fitune's lean RMSNorm) | liger (the user has liger-kernel: its fused RMSNorm,
     SwiGLU and RoPE; less memory and measured faster, bench/results/issue5/)."""
+    compile: str = "none"
+    """layers: compile each decoder layer (fitune/runtime/techniques/compile_layers.py; Inductor fuses the norms,
+    RoPE, SwiGLU and LoRA arithmetic, so Liger and the lean RMSNorm are left out); measured faster than Liger on
+    Llama and Qwen2 (bench/results/speed/speed.jsonl, groups *_compile)."""
     keep_outputs: bool = False
     """The user's own loop keeps the model output through backward (`out = model(**batch); out.loss.backward()`):
     the plans are then for that script, not fitune's runner: transformers' modules and loss, PEFT's LoRA, no
@@ -144,6 +148,11 @@ class PlanRequest:
         if self.keep_outputs and self.num_gpus > 1:
             problems.append("--keep-outputs plans your own single-GPU loop; with --gpus the plans run on fitune's "
                             "runner, which never keeps the output: drop one of them")
+        if self.keep_outputs and self.compile != "none":
+            problems.append("--keep-outputs plans your own transformers loop; --compile layers is a technique of "
+                            "fitune's runner: use --compile none (or drop --keep-outputs)")
+        if self.compile != "none" and self.kernels != "torch":
+            problems.append(f"--compile {self.compile} fuses what --kernels {self.kernels} fuses: choose one")
         if self.keep_outputs and self.kernels != "torch":
             problems.append(f"--keep-outputs plans your own transformers loop; --kernels {self.kernels} is a technique "
                             "of fitune's runner: use --kernels torch (or drop --keep-outputs)")
@@ -375,13 +384,16 @@ def _reported(items: list, progress) -> Iterator:
 
 
 def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup:
+    # offloaded checkpoints (with the tiled MLP) were never measured compiled: those plans run eager
+    compiled = req.compile if g.ckpt != "offload" else "none"
     s = TrainSetup(method=g.method, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, lora_dropout=req.lora_dropout,
                    lora_targets=req.lora_targets,
                    dtype=req.dtype, grad_checkpointing=g.ckpt, attn=g.attn, optimizer=optimizer, batch_size=g.micro,
                    seq_len_tokens=req.seq_len_tokens, grad_accum=req.batch_size // (g.gpus or req.num_gpus) // g.micro,
                    freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss,
-                   lean_lora=g.method in ("lora", "qlora"), kernels=req.kernels,
-                   lean_norm=req.kernels == "torch" and req.model.model_type in LEAN_NORM_MODEL_TYPES,
+                   lean_lora=g.method in ("lora", "qlora"), kernels=req.kernels, compile=compiled,
+                   lean_norm=req.kernels == "torch" and compiled == "none"
+                   and req.model.model_type in LEAN_NORM_MODEL_TYPES,
                    expandable_segments=True, tiled_mlp=g.ckpt == "offload", num_gpus=g.gpus or req.num_gpus,
                    strategy=g.strategy)
     if req.keep_outputs:  # the user's own transformers + PEFT loop, as written: none of fitune's techniques
@@ -593,6 +605,9 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
         out.append("lean RMSNorm (tiles in fp32, saves only its bf16 input)")
     if s.kernels == "liger":
         out.append("Liger's fused RMSNorm, SwiGLU and RoPE kernels")
+    if s.compile == "layers":
+        out.append("each decoder layer compiled (torch.compile fuses its norms, RoPE, SwiGLU and LoRA arithmetic; "
+                   "the first step pays the compilation)")
     if s.expandable_segments:
         out.append("expandable segments in PyTorch's allocator (little fragmentation)")
     if s.optimizer != "adamw":
@@ -625,6 +640,8 @@ def requirements(s: TrainSetup) -> list[str]:
         out.append("flash-attn")
     if s.kernels == "liger":
         out.append("liger-kernel + a CUDA GPU")
+    if s.compile == "layers":
+        out.append("torch.compile's Triton backend (a CUDA GPU)")
     return out
 
 

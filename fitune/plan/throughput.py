@@ -69,6 +69,11 @@ KERNELS_ROPE = {"torch": 13, "liger": 1}
 KERNELS_ACT = {"torch": 2, "liger": 1}
 KERNELS_OTHER = 2 + 4 + 7  # residual adds, attention, projections
 KERNELS_PER_LORA_TARGET = 4
+#: A compiled layer (compile: layers): Inductor writes one Triton kernel per RMSNorm (with the residual add before
+#: it), one for RoPE on q and k, one for SiLU x up, one per LoRA target for the scale and add; the matmuls (2 per
+#: LoRA target) and attention stay library kernels. All are launched from Inductor's generated code, without the
+#: Python wrapper a Liger kernel has, so they count as plain launches, not Triton ones.
+KERNELS_LORA_MATMULS = 2
 #: fitune's chunked loss: kernels per chunk of CHUNK_TOKENS (the chunk's matmul, log-softmax, gather, the gradient
 #: of cross-entropy, the hidden-state gradient's matmul, the weight gradient's), fitune/runtime/techniques/chunked_loss.py.
 KERNELS_PER_LOSS_CHUNK = 8
@@ -211,6 +216,8 @@ def step_terms(model: ModelSpec, setup: TrainSetup) -> StepTerms:
 def layer_launches(m: ModelSpec, s: TrainSetup, lora_targets: int) -> float:
     """Kernels one decoder layer launches in a forward pass (KERNELS_*): Liger's fused kernels or transformers'
     modules; fitune's lean RMSNorm runs its element-wise kernels once per tile of TILE_TOKENS tokens."""
+    if s.compile == "layers":  # Inductor's fused kernels are launched from its generated code, not from Python
+        return KERNELS_OTHER + KERNELS_LORA_MATMULS * lora_targets + m.norms_per_layer + 2 + lora_targets
     k = "liger" if s.kernels == "liger" else "torch"
     norm = KERNELS_NORM[k] * m.norms_per_layer
     if s.lean_norm and k == "torch":
@@ -229,8 +236,9 @@ def layer_elementwise_bytes(m: ModelSpec, s: TrainSetup, lora_targets: list[str]
     - the two residual adds: 6 bytes per feature each;
     - LoRA per target: PEFT's fp32 adapters cast the input to fp32 (6 bytes per input feature) and scale and add the
       fp32 output (12 per output feature); lean LoRA runs in bf16: the scale and add only (6 per output feature).
+    A compiled layer (compile: layers) moves what Liger's kernels move for the norms, RoPE and SiLU x up.
     """
-    liger = s.kernels == "liger"
+    liger = s.kernels == "liger" or s.compile == "layers"
     h = m.hidden_size
     norm = (4 if liger else 26) * h * m.norms_per_layer
     rope = (4 if liger else 16) * (m.q_dim + m.kv_dim)
@@ -494,7 +502,8 @@ def read_measurements(path: str) -> list[Measured]:
             fields = d["setup"] if "setup" in d else d  # an hf_recipe record holds every setup field it varied
             setup = TrainSetup.from_dict(fields, strict=False)
             s = setup
-            label = (f"{d['model']} {s.stack} {s.method} {s.kernels} {','.join(s.lora_targets)} r{s.lora_rank} "
+            kernels = s.kernels + ("+compile" if s.compile == "layers" else "")
+            label = (f"{d['model']} {s.stack} {s.method} {kernels} {','.join(s.lora_targets)} r{s.lora_rank} "
                      f"{s.batch_size}x{s.grad_accum}x{s.seq_len_tokens} ckpt {s.grad_checkpointing} {s.attn} "
                      f"loss {s.loss}{' tiled' if s.tiled_mlp else ''}")
             out.append(Measured(label, load_model_spec(d["model"]), setup, float(d["tokens_per_s"])))

@@ -184,7 +184,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 def prepare_model(model, s: TrainSetup):
     """The method's trainable parameters (LoRA adapters, the last layers for freeze, everything for full) and the
     memory techniques of `s`: Liger kernels, lean LoRA, lean RMSNorm, tiled MLP, checkpointing (full, offloaded,
-    selective). A `stack: hf` setup has no techniques (TrainSetup.validate): PEFT's LoRA and transformers'
+    selective), compiled layers. A `stack: hf` setup has no techniques (TrainSetup.validate): PEFT's LoRA and transformers'
     checkpointing only, the HF recipe.
     Shared by train, profile and the GPU benchmarks. (The allocator's settings are made before CUDA starts:
     `fitune.runtime.device.configure_allocator`.) Returns the model to train (PEFT's wrapper for LoRA)."""
@@ -222,6 +222,10 @@ def prepare_model(model, s: TrainSetup):
             enable_offloaded_checkpointing(model)
         elif s.checkpointed_layers_mode == "selective":
             enable_selective_checkpointing(model, s.selective_k())
+    if s.compile == "layers":  # last: the compiled layers trace the LoRA branch and norms set above
+        from .techniques.compile_layers import enable_compiled_layers
+
+        enable_compiled_layers(model)
     return model
 
 

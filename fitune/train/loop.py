@@ -97,6 +97,9 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             folder.close()
         _GracefulStop.restore_all()  # after the lock's release: a late second Ctrl-C cannot cut it short
         ranks.stop()
+        from ..parallel.deepspeed_engine import release
+
+        release()  # [parallel] ZeRO: the engine and the ZeRO-3 construction config end with the run
 
 
 def _resume_point(cfg: TrainConfig, folder: outdir.RunFolder) -> str:
@@ -156,7 +159,10 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / rows) / s.grad_accum))
 
     # ---- model, optimizer, schedule ------------------------------------------------------------------------
-    model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
+    from ..parallel.deepspeed_engine import construction_context
+
+    with construction_context(s, cfg):  # [parallel] ZeRO-3: each parameter partitioned as it is created (zero.Init)
+        model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
     model.config.use_cache = False  # training: no KV cache
     model = prepare_model(model, s)  # LoRA / freeze, fitune's techniques, checkpointing
     if cfg.packing and cfg.packing_attention == "varlen":

@@ -12,6 +12,10 @@ examples run one by one).
 Installed as a transformers attention implementation ("fitune_varlen"). Its name is not in transformers' mask
 registry, so the model builds no mask at all; rows whose position ids never restart run as one causal segment.
 Models with a sliding window keep transformers' masked path (`varlen_supported` says so).
+
+Under `compile: layers` this function runs eagerly (torch.compiler.disable): its segment bounds come from the data,
+and traced they would recompile the layer for every new row layout (measured on the H200: 2,037 tokens/s instead of
+about 17k, bench/results/peers/real_length.jsonl). The compiled layer is then two graphs, before and after attention.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def _segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return out
 
 
+@torch.compiler.disable  # a compiled layer (compile: layers) runs this eagerly: the segments are data-dependent
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers attention-interface function: query (b, heads, s, d), key/value (b, kv_heads, s, d)."""
