@@ -158,7 +158,10 @@ def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
     import os
 
     readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups}
-    return [(rel, [dataclasses.replace(r, sample=sample) for r in readers[kind](os.path.join(root, rel))])
+    # the compiled-layer runs (compile: layers) are in-sample whatever their file: the estimator's model of the
+    # compiled layer was made from them (and bench/results/speed/compile_saved.jsonl)
+    return [(rel, [dataclasses.replace(r, sample="in" if r.setup.compile != "none" else sample)
+                   for r in readers[kind](os.path.join(root, rel))])
             for rel, kind, sample in SOURCES]
 
 
