@@ -310,10 +310,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK") is not None:
-        # a rank, as fitune/__main__.py leaves one: without the interpreter's teardown, where gloo's threads can abort
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    from fitune.parallel.ranks import exit_process
+
+    exit_process(main())  # a rank leaves as fitune/__main__.py leaves one

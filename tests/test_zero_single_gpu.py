@@ -17,12 +17,18 @@ from fitune.specs.model import load_model_spec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "zero", "zero.jsonl")
 
-OUTSIDE_ALLOCATED = {"lora8b-zero3_offload": -0.056, "full1b-zero3_offload": -0.143}
-"""ZeRO-3 with offload: the GPU buffers the parameters are fetched into are not modelled well enough yet."""
-OUTSIDE_RESERVED = {"lora8b-zero3_offload": -0.546, "full1b-zero3_offload": -0.366, "full1b-zero2": 0.087,
+OUTSIDE_ALLOCATED: dict[str, float] = {}
+"""None since ZeRO-3 keeps the last layers gathered up to `stage3_max_live_parameters` in the estimate
+(fitune/memory/parallel.py `zero3_live_after_forward_bytes`); before, offload was -5.6 % and -14.3 %."""
+OUTSIDE_RESERVED = {"lora8b-zero3_offload": -0.525, "full1b-zero3_offload": -0.282, "full1b-zero2": 0.087,
                     "full1b-zero3": -0.052}
-"""Reserved: with offload, most likely the blocks of the model built on the GPU before DeepSpeed moved it, still
-cached; the full fine-tunes' flat buffers are not replayed block for block."""
+"""Reserved: with offload, the blocks of the model built on the GPU before DeepSpeed moved it, still cached (these
+runs predate the zero.Init build; ZERO_INIT_RESERVED below are the runs since); the full fine-tunes' flat buffers are
+not replayed block for block."""
+ZERO_INIT = os.path.join(ROOT, "bench", "results", "zero", "zero_init", "zero.jsonl")
+ZERO_INIT_RESERVED = {"lora8b-zero3_offload": -0.084, "full1b-zero3_offload": -0.197}
+"""The offload runs built under zero.Init: the caching allocator keeps more than the estimate replays (the
+parameters are fetched module by module into blocks of many sizes); allocated is within the goal."""
 
 
 def runs() -> list[dict]:
@@ -56,6 +62,20 @@ def test_estimate_against_the_single_gpu_zero_runs(run):
         assert reserved == pytest.approx(OUTSIDE_RESERVED[name], abs=0.002)
     else:
         assert abs(reserved) <= 0.05, f"{name}: reserved {reserved:+.1%}"
+
+
+def test_estimate_against_the_zero_init_offload_runs():
+    """The offload runs again after zero3 / zero3_offload began to build the model under deepspeed.zero.Init
+    (bench/results/zero/zero_init/): allocated within 2 %, reserved as stated."""
+    with open(ZERO_INIT, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert {r["run"] for r in rows} == set(ZERO_INIT_RESERVED)
+    for run in rows:
+        assert run["exit"] == 0 and len(run["steps"]) == 6
+        e = estimate(load_model_spec(run["config"]["model"]), setup_of(run["config"]))
+        assert abs(e.peak_allocated_bytes / run["peak_allocated_bytes"] - 1) <= 0.02, run["run"]
+        reserved = e.peak_reserved_bytes / run["peak_reserved_bytes"] - 1
+        assert reserved == pytest.approx(ZERO_INIT_RESERVED[run["run"]], abs=0.002), run["run"]
 
 
 def test_the_runs_carry_what_the_readme_quotes():

@@ -22,9 +22,9 @@ The strategies (TrainSetup.strategy), N = num_gpus:
 Categories added to the breakdown: `gathered_weights` (parameters all-gathered for compute) and `comm_buffers`
 (DDP buckets, reduce-scatter inputs, ZeRO's buckets).
 
-Not modelled: FSDP's per-parameter padding to a multiple of N (under N elements per tensor); ZeRO-3 keeping
-parameters gathered across the forward/backward turn (`stage3_max_reuse_distance`, at most
-`stage3_max_live_parameters`), and its small persistent parameters (`stage3_param_persistence_threshold`: the
+ZeRO-3 keeps the last layers gathered across the forward/backward turn, up to `stage3_max_live_parameters`
+(`zero3_live_after_forward_bytes`, measured with offload on one GPU). Not modelled: FSDP's per-parameter padding to
+a multiple of N (under N elements per tensor); ZeRO-3's small persistent parameters (`stage3_param_persistence_threshold`: the
 norms, kilobytes); the all-gather input copies (1/N of a layer). None of the multi-GPU numbers has been measured
 yet: the CLI and the planner mark them unvalidated.
 
@@ -58,6 +58,9 @@ DDP_FIRST_BUCKET_BYTES = 1 * MiB
 #: Hugging Face's Trainer writes `auto` as hidden_size^2 (reduce) and 0.9 x hidden_size^2 (prefetch) instead.
 ZERO_REDUCE_BUCKET_ELEMENTS = 500_000_000
 ZERO3_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+#: `stage3_max_live_parameters` (DeepSpeed config docs: "The maximum number of parameters resident per GPU before
+#: releasing", default 1e9; fitune's config leaves it at that).
+ZERO3_MAX_LIVE_ELEMENTS = 1_000_000_000
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 #: `overlap_comm` as fitune's DeepSpeed config sets it (fitune/parallel/deepspeed_config.py: on for every stage;
 #: DeepSpeed's own default is off for stage 2). Stage 2 then double-buffers its reduce bucket (two buffers).
@@ -182,6 +185,20 @@ def zero3_prefetch_bytes(next_layer_param_bytes: int, param_bytes_per_element: i
     return min(next_layer_param_bytes, ZERO3_PREFETCH_BUCKET_ELEMENTS * param_bytes_per_element)
 
 
+def zero3_live_after_forward_bytes(head_bytes: int, layer_bytes: int, num_layers: int,
+                                   param_bytes_per_element: int) -> int:
+    """Bytes of the last decoder layers' parameters ZeRO-3 still holds gathered when forward ends: it releases a
+    module's parameters only once more than `stage3_max_live_parameters` are live, so the lm_head and the last layers
+    up to that many elements stay for backward, which uses them first.
+
+    Measured (bench/results/zero/zero_init/*.memory.json, the blocks live at the peak, the loss's backward):
+    Llama-3.1-8B LoRA with offload held the lm_head and 2.3 layers (2 x 436 MB and one MLP matrix more), Llama-3.2-1B
+    full with offload the tied embedding and about 12.3 layers of 122 MB: both close to 1e9 elements in all,
+    against 1e9 here (2.18 and 12.1 layers)."""
+    live = max(0, ZERO3_MAX_LIVE_ELEMENTS * param_bytes_per_element - head_bytes)
+    return min(live, layer_bytes * num_layers)
+
+
 def zero_offload_host_bytes(param_bytes: int, trainable_params: int, optimizer: str, num_gpus: int) -> dict[str, int]:
     """Pinned host memory of one rank under ZeRO-3 with offload_param and offload_optimizer to the CPU.
 
@@ -231,6 +248,8 @@ class RankLayout:
     embed_gather_bytes: int
     prefetch_bytes: int
     """ZeRO-3: the prefetch bucket of the next layer."""
+    live_after_forward_bytes: int
+    """ZeRO-3: the last layers' parameters left gathered for backward (`zero3_live_after_forward_bytes`)."""
     reduce_bucket_bytes: int
     trainable_params: int
     trainable_bytes: int
@@ -240,6 +259,7 @@ class RankLayout:
     has its fp32 copy)."""
     sub_group_elements: int = 0
     """ZeRO-3: the largest optimizer sub-group (its fp32 gradient and the step's temporaries are per sub-group)."""
+
     """Resident allocations beyond the model's own tensors (DDP buckets, ZeRO's flat partitions), one per request."""
 
     @property
@@ -315,6 +335,8 @@ class RankLayout:
             if zero3 else 0,
             embed_gather_bytes=counts.embedding * param_bytes if zero3 else 0,
             prefetch_bytes=zero3_prefetch_bytes(layer, param_bytes) if zero3 else 0,
+            live_after_forward_bytes=zero3_live_after_forward_bytes(
+                (counts.lm_head or counts.embedding) * param_bytes, layer, L, param_bytes) if zero3 else 0,
             reduce_bucket_bytes=zero_reduce_bucket_bytes(s, grad_elem) if s == "zero2" and trainable_params else 0,
             trainable_params=trainable_params, trainable_bytes=trainable_bytes, extra_blocks=tuple(extra),
             grad_partition_bytes=sharded(trainable_params, n) * grad_elem if s == "zero2" else 0,
@@ -371,8 +393,7 @@ class RankStep:
             self._gathered[layer] = self.tape.alloc(nbytes, GATHERED, f"layer {layer} parameters ({label})")
 
     def _release(self, layer: int) -> None:
-        tid = self._gathered.pop(layer, None)
-        self.tape.free(tid)
+        self.tape.free(self._gathered.pop(layer, None))
 
     def _regather(self, layer: int) -> None:
         """A layer whose prefetch bucket was partial (ZeRO-3) is completed when it runs."""
@@ -395,9 +416,20 @@ class RankStep:
         if self.lay.strategy == "ddp":
             return
         if self.lay.layer_gather_bytes and i < self.L - 1:
-            self._release(i)  # resharded after forward; the last layer is used at once by backward
+            kept = self._kept_after_forward(i)
+            if kept < self.lay.layer_gather_bytes:
+                self._release(i)  # resharded after forward; the last layer is used at once by backward
+                if kept:  # ZeRO-3: part of it stays gathered (max live parameters reached inside it)
+                    self._gathered[i] = self.tape.alloc(kept, GATHERED, f"layer {i} parameters (kept, part)")
         mark = self._mark
         self.ag.custom(lambda main, _o: self._before_layer_backward(main, i, mark), None, f"rank: layer {i} gather")
+
+    def _kept_after_forward(self, i: int) -> int:
+        """Bytes of layer i's parameters still gathered when forward ends (ZeRO-3 keeps the last layers up to
+        `live_after_forward_bytes`; FSDP reshards every layer but the last)."""
+        layer = self.lay.layer_gather_bytes
+        after = (self.L - 1 - i) * layer  # the layers behind this one, kept first
+        return max(0, min(layer, self.lay.live_after_forward_bytes - after))
 
     def before_head(self) -> None:
         if self.lay.head_gather_bytes:

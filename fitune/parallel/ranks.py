@@ -171,3 +171,17 @@ def share_folder(folder):
         return folder
     root, run_id = broadcast((folder.root, folder.run_id) if folder is not None else None)
     return folder if _CURRENT.is_main else _FollowerFolder(root, run_id)
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`. A rank of `fitune train --gpus N` (torchrun's worker) has written everything and
+    left its process group: it leaves without the interpreter's teardown, where gloo's worker threads can still hold
+    tensors and abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch PR
+    179291 describes it). Anything else exits normally."""
+    import sys
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK") is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
