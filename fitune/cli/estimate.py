@@ -169,6 +169,12 @@ def format_estimate(est, suggestions=()) -> str:
     lines.append(f"{est.model}: {method}, {s.batch_size} x {s.seq_len_tokens} tokens, {s.dtype}, "
                  f"checkpointing {s.grad_checkpointing}, attention {s.attn}, optimizer {s.optimizer}, "
                  f"loss {s.loss}, stack {s.stack}")
+    techniques = [n.replace("_", " ") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments")
+                  if getattr(s, n)]
+    techniques += [f"kernels {s.kernels}"] if s.kernels != "torch" else []
+    techniques += ["compiled layers"] if s.compile != "none" else []
+    if techniques:
+        lines.append(f"  with {', '.join(techniques)}")
     lines.append(f"  {est.total_params / 1e9:.2f}B parameters, {est.trainable_params / 1e6:.2f}M trainable")
     per_gpu = _per_gpu(s)
     if per_gpu:

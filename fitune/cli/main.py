@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:  # `fitune estimate ... | head`
         return 0
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop's own handling (e.g. after a run has finished)
+        print(f"fitune {args.command}: interrupted", file=sys.stderr)
+        return 130
     # The last line of defence of "no input gets a traceback" (tests/test_bad_inputs.py): what slips past the
     # checks still gets one message saying what to do, and exit status 2.
     except RecursionError:

@@ -21,6 +21,8 @@ def setup_line(s: dict) -> str:
     on = [name for name in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments") if s.get(name)]
     if s.get("kernels") and s.get("kernels") != "torch":
         on.append(f"kernels {s['kernels']}")
+    if s.get("compile") and s.get("compile") != "none":
+        on.append("compiled layers")
     if on:
         parts.append("with " + ", ".join(x.replace("_", " ") for x in on))
     return ", ".join(p for p in parts if p)

@@ -188,8 +188,9 @@ def torch_compile_with_checkpointing(ix: ScriptIndex) -> Iterator[Hit]:
               "measured on an H200, compiled runs with checkpointing trained and were faster. What compile changes "
               "depends on what it compiles: the whole model fuses the loss into the lm_head's output, and the peak "
               "(the logits, with checkpointing) falls; compiling each decoder layer leaves a checkpointed peak as "
-              "it is. fitune's estimate assumes eager execution, so with a whole-model compile expect less than it "
-              "says. The first step pays the compilation.",
+              "it is. fitune's estimate models compiled decoder layers (`--stack fitune --compile layers`, fitune's "
+              "runner) but not a whole-model compile: with that, expect less than it says. The first step pays the "
+              "compilation.",
               "keep both; to check the gain on your model, compare torch.cuda.max_memory_allocated() and tokens/s "
               "of a few steps with and without torch.compile (fitune.doctor.runtime.RunMonitor records peaks)",
               "measured (bench/results/claims/, LoRA r8 q,v, bf16, 2 x 2048, checkpointing): llama-3.2-1b with "
