@@ -18,11 +18,13 @@ The method stays yours (--method, LoRA by default) unless you name others it may
 the search varies the micro-batch and gradient accumulation
 (their product stays the batch you ask for), activation checkpointing, attention and optimizer; with --data the
 sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
-packing is turned on when it removes at least 10 % of the padding. LoRA rank and targets stay as you give them.
-Liger's kernels are used when liger-kernel is installed (Llama and Qwen2, where they were measured; --kernels
-torch leaves them out).
+packing is turned on when it removes at least 10 % of the padding, or when rows without it would be under half
+the sequence length. LoRA rank and targets stay as you give them.
+On Llama and Qwen2 (where they were measured) each decoder layer is compiled when Triton is installed (CUDA builds
+of PyTorch bring it; --compile none leaves it out), else Liger's kernels are used when liger-kernel is installed
+(--kernels torch leaves them out; --kernels liger picks them over compiling).
 Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
-the full estimate), speed a model calibrated on 127 measured H200 steps of 7 models (docs/plan.md).
+the full estimate), speed a model calibrated on 147 measured H200 steps of 7 models (docs/plan.md).
 
 Output: the ranked plans (memory, predicted tokens/s, what each turns on), one line for each faster option that
 does not fit, and when nothing fits: the smallest requirement and the changes that would fit.

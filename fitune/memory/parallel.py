@@ -249,7 +249,8 @@ class RankLayout:
     prefetch_bytes: int
     """ZeRO-3: the prefetch bucket of the next layer."""
     live_after_forward_bytes: int
-    """ZeRO-3: the last layers' parameters left gathered for backward (`zero3_live_after_forward_bytes`)."""
+    """ZeRO-3: the window of the latest layers' parameters left gathered, in forward and backward, and so the last
+    layers' at the forward/backward turn (`zero3_live_after_forward_bytes`)."""
     reduce_bucket_bytes: int
     trainable_params: int
     trainable_bytes: int
@@ -415,21 +416,28 @@ class RankStep:
     def after_layer(self, i: int) -> None:
         if self.lay.strategy == "ddp":
             return
-        if self.lay.layer_gather_bytes and i < self.L - 1:
-            kept = self._kept_after_forward(i)
-            if kept < self.lay.layer_gather_bytes:
-                self._release(i)  # resharded after forward; the last layer is used at once by backward
-                if kept:  # ZeRO-3: part of it stays gathered (max live parameters reached inside it)
-                    self._gathered[i] = self.tape.alloc(kept, GATHERED, f"layer {i} parameters (kept, part)")
+        if self.lay.live_after_forward_bytes:  # ZeRO-3: a window of the latest layers stays gathered
+            self._trim_live(i)
+        elif self.lay.layer_gather_bytes and i < self.L - 1:
+            self._release(i)  # resharded after forward; the last layer is used at once by backward
         mark = self._mark
         self.ag.custom(lambda main, _o: self._before_layer_backward(main, i, mark), None, f"rank: layer {i} gather")
 
-    def _kept_after_forward(self, i: int) -> int:
-        """Bytes of layer i's parameters still gathered when forward ends (ZeRO-3 keeps the last layers up to
-        `live_after_forward_bytes`; FSDP reshards every layer but the last)."""
-        layer = self.lay.layer_gather_bytes
-        after = (self.L - 1 - i) * layer  # the layers behind this one, kept first
-        return max(0, min(layer, self.lay.live_after_forward_bytes - after))
+    def _trim_live(self, i: int, backward: bool = False) -> None:
+        """ZeRO-3 releases gathered parameters only once more than `stage3_max_live_parameters` are live: after
+        layer i's forward (backward), the layers used longest ago go until the rest fit `live_after_forward_bytes`
+        (the last of them in part); the prefetched next layer is not counted."""
+        budget = self.lay.live_after_forward_bytes
+        used = (k for k in self._gathered if (k >= i if backward else k <= i))
+        for layer in sorted(used, reverse=not backward):
+            size = self.tape.size(self._gathered[layer])
+            if size <= budget:
+                budget -= size
+                continue
+            self._release(layer)
+            if budget:
+                self._gathered[layer] = self.tape.alloc(budget, GATHERED, f"layer {layer} parameters (kept, part)")
+            budget = 0
 
     def before_head(self) -> None:
         if self.lay.head_gather_bytes:
@@ -447,7 +455,9 @@ class RankStep:
         mark["start"] = len(main.param_grads)
 
     def _after_layer_backward(self, main, i: int, mark: dict) -> None:
-        if self.lay.layer_gather_bytes:
+        if self.lay.live_after_forward_bytes:  # ZeRO-3: the same window of live parameters in backward
+            self._trim_live(i, backward=True)
+        elif self.lay.layer_gather_bytes:
             self._release(i)
         self._reduce(main.param_grads[mark.get("start", len(main.param_grads)):], f"layer {i}")
 
