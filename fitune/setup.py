@@ -96,6 +96,10 @@ class TrainSetup:
     compile: str = key("none", kind="choice", choices=COMPILES, aliases=_COMPILE_ALIASES,
                        help="fitune's runner: layers (torch.compile each decoder layer: fused norms, RoPE, SwiGLU and "
                             "LoRA arithmetic; a CUDA GPU; the first steps pay the compilation) | none")
+    offload_embeddings: bool = key(False, kind="bool",
+                                   help="fitune's runner: the input embedding table stays in CPU memory and each "
+                                        "step's embeddings are looked up there and copied to the GPU (LoRA / "
+                                        "QLoRA, untied embeddings: 1 GiB less for Llama-3.1-8B)")
     expandable_segments: bool = key(False, kind="bool", help="fitune's runner: PyTorch's allocator with expandable "
                                                              "segments (little fragmentation)")
     keep_outputs: bool = key(False, kind="bool",
@@ -216,7 +220,7 @@ class TrainSetup:
         if self.loss == "chunked" and self.stack == "hf":
             problems.append(f"{name('loss')} chunked is a technique of fitune's runner; a plain transformers script "
                             f"computes full logits: use {name('stack')} fitune with it (or {name('loss')} hf)")
-        for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments"):
+        for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments", "offload_embeddings"):
             if getattr(self, f) and self.stack == "hf":
                 problems.append(f"{name(f)} is a technique of fitune's runner: use {name('stack')} fitune with it")
         one_of("kernels", self.kernels, KERNELS)
@@ -244,6 +248,11 @@ class TrainSetup:
         if self.keep_outputs and self.stack == "fitune":
             problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
                             f"model output: use {name('stack')} hf with it")
+        if self.offload_embeddings and self.method not in ("lora", "qlora"):
+            problems.append(f"{name('offload_embeddings')} keeps a frozen embedding table on the CPU; with "
+                            f"{name('method')} {self.method} it trains: use lora or qlora, or drop it")
+        if self.offload_embeddings and self.num_gpus > 1:
+            problems.append(f"{name('offload_embeddings')} was written for one GPU: drop it or {name('num_gpus')}")
         if self.lean_lora and self.method not in ("lora", "qlora"):
             problems.append(f"{name('lean_lora')} applies to LoRA adapters; {name('method')} {self.method} has none")
         if self.method == "qlora" and self.dtype == "fp32":

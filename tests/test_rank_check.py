@@ -59,8 +59,9 @@ def test_todays_planner_still_proposes_the_plans_that_were_run(workload, capsys)
     rc = main(["plan", *WORKLOADS[workload], "--kernels", "liger", "--top", "3", "--json"])
     assert rc == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
-    # records made before the `compile` key existed ran without it: its default, none
-    ran = {r["plan"]: {"compile": "none", **r["setup"]} for r in RECORDS if r["workload"] == workload}
+    # records made before the `compile` and `offload_embeddings` keys existed ran without them: their defaults
+    ran = {r["plan"]: {"compile": "none", "offload_embeddings": False, **r["setup"]}
+           for r in RECORDS if r["workload"] == workload}
     assert plans[0]["setup"] == ran[1]
     assert sorted(json.dumps(p["setup"], sort_keys=True) for p in plans) == \
         sorted(json.dumps(s, sort_keys=True) for s in ran.values())

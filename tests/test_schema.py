@@ -20,7 +20,7 @@ SAMPLE = {
     "lora_alpha": 32, "lora_dropout": 0.05, "lora_targets": ("q_proj", "k_proj"), "dtype": "fp16",
     "grad_checkpointing": "selective:1", "attn": "eager", "optimizer": "sgd", "batch_size": 3, "seq_len_tokens": 96,
     "freeze_trainable_layers": 4, "grad_accum": 5, "loss": "chunked", "tiled_mlp": True, "lean_lora": False,
-    "lean_norm": True, "kernels": "torch", "compile": "none", "expandable_segments": True, "keep_outputs": False, "stack": "fitune", "num_gpus": 2, "strategy": "fsdp", "output_dir": None,
+    "lean_norm": True, "kernels": "torch", "compile": "none", "offload_embeddings": False, "expandable_segments": True, "keep_outputs": False, "stack": "fitune", "num_gpus": 2, "strategy": "fsdp", "output_dir": None,
     "init": "random", "tokenizer": None, "trust_remote_code": True, "max_steps": 7, "epochs": None, "lr": 3e-5,
     "weight_decay": 0.01, "schedule": "linear", "warmup_steps": 2, "max_grad_norm": None, "seed": 11,
     "packing": True, "packing_attention": "mask", "eval_every": 3, "save_every": 4, "save_every_minutes": 5.5,
@@ -48,7 +48,7 @@ def _sample(paths) -> dict:
 def test_the_sample_covers_every_field_and_differs_from_the_defaults():
     assert set(SAMPLE) == {k.field for k in ALL_KEYS}
     defaults = flat_values(TrainConfig())
-    same = [f for f, v in SAMPLE.items() if v is not None and v == defaults[f] and f not in ("lean_lora", "kernels", "compile", "stack", "keep_outputs")]
+    same = [f for f, v in SAMPLE.items() if v is not None and v == defaults[f] and f not in ("lean_lora", "kernels", "compile", "offload_embeddings", "stack", "keep_outputs")]
     assert same == []
 
 

@@ -169,8 +169,8 @@ def format_estimate(est, suggestions=()) -> str:
     lines.append(f"{est.model}: {method}, {s.batch_size} x {s.seq_len_tokens} tokens, {s.dtype}, "
                  f"checkpointing {s.grad_checkpointing}, attention {s.attn}, optimizer {s.optimizer}, "
                  f"loss {s.loss}, stack {s.stack}")
-    techniques = [n.replace("_", " ") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments")
-                  if getattr(s, n)]
+    techniques = [n.replace("_", " ") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments",
+                                                 "offload_embeddings") if getattr(s, n)]
     techniques += [f"kernels {s.kernels}"] if s.kernels != "torch" else []
     techniques += ["compiled layers"] if s.compile != "none" else []
     if techniques:

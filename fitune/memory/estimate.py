@@ -134,6 +134,11 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
 
     # ---- resident before the step --------------------------------------------------------------------
     weight_bytes = weights.weight_bytes(model, setup.method, "bf16" if setup.method == "qlora" else setup.dtype)
+    offloaded_embedding = weights.offloaded_embedding_bytes(model, setup)
+    weight_bytes -= offloaded_embedding  # offload_embeddings: the table is in CPU memory
+    if setup.offload_embeddings and not offloaded_embedding:
+        notes.append("offload_embeddings: this model ties its lm_head to the input embeddings, so the table stays "
+                     "on the GPU (fitune train refuses the option for it)")
     adapter_bytes = trainable_bytes if setup.method in ("lora", "qlora") else 0
     state_bytes = _optimizer_state_bytes(model, setup, trainable_bytes)
     if setup.optimizer == "paged_adamw8bit":
@@ -458,10 +463,12 @@ def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, in
     """
     w = weights.DTYPE_BYTES[setup.dtype] if setup.method != "qlora" else 2
     h = model.hidden_size
-    blocks: list[int] = [model.vocab_size * h * w]
+    embedding_on_gpu = not weights.offloaded_embedding_bytes(model, setup)
+    blocks: list[int] = [model.vocab_size * h * w] if embedding_on_gpu else []
     per_layer: list[int] = []
     if setup.method == "qlora" or model.moe_layers:
-        per_layer_bytes = (resident.get(WEIGHTS, 0) - model.vocab_size * h * w * (1 if model.tie_word_embeddings else 2)) // model.num_layers
+        tables = (1 if model.tie_word_embeddings else 2) - (0 if embedding_on_gpu else 1)
+        per_layer_bytes = (resident.get(WEIGHTS, 0) - model.vocab_size * h * w * tables) // model.num_layers
         per_layer = [max(per_layer_bytes, 0)]
     else:
         for lin in model.linears(False):

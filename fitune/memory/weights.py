@@ -86,3 +86,13 @@ def weight_bytes(m: ModelSpec, method: str, dtype: str) -> int:
     if m.moe_layers:
         nf4 += sum(nf4_bytes(l.in_features * l.out_features) for l in m.linears(True)) * m.moe_layers
     return nf4 + (biases + p.embedding + p.lm_head + p.decoder_other + p.final_norm) * w
+
+
+def offloaded_embedding_bytes(m: ModelSpec, setup) -> int:
+    """Bytes the input embedding table leaves on the CPU with `offload_embeddings` (fitune/runtime/techniques/
+    offload_embeddings.py): vocabulary x hidden in the compute dtype (bf16 with QLoRA: bitsandbytes leaves the
+    embeddings unquantised); 0 when the lm_head shares its weight (tied: the table stays on the GPU) or when off."""
+    if not getattr(setup, "offload_embeddings", False) or m.tie_word_embeddings:
+        return 0
+    w = 2 if setup.method == "qlora" else DTYPE_BYTES[setup.dtype]
+    return m.vocab_size * m.hidden_size * w

@@ -34,7 +34,7 @@ RECIPE = {"method": ("lora", "qlora"), "optimizer": ("adamw",), "dtype": ("bf16"
 def combination(s: TrainSetup) -> str:
     """The options of a setup that change its memory model, as one readable key."""
     techniques = [n.replace("_", "-") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments",
-                                                 "keep_outputs") if getattr(s, n)]
+                                                 "keep_outputs", "offload_embeddings") if getattr(s, n)]
     if s.compile != "none":
         techniques.append(f"compile-{s.compile}")
     return (f"{s.method}, {s.optimizer}, {s.dtype}, kernels {s.kernels}, loss {s.loss}, stack {s.stack}"
@@ -42,7 +42,8 @@ def combination(s: TrainSetup) -> str:
 
 
 def _recipe_options(s: TrainSetup) -> bool:
-    techniques = (s.tiled_mlp, s.lean_lora, s.lean_norm, s.expandable_segments, s.keep_outputs, s.compile != "none")
+    techniques = (s.tiled_mlp, s.lean_lora, s.lean_norm, s.expandable_segments, s.keep_outputs, s.compile != "none",
+                  s.offload_embeddings)
     return all(getattr(s, k) in v for k, v in RECIPE.items()) and not any(techniques)
 
 

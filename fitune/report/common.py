@@ -18,7 +18,8 @@ def setup_line(s: dict) -> str:
         parts.append(f"{s['grad_accum']}x accumulation")
     parts += [s.get("dtype", ""), f"checkpointing {s.get('grad_checkpointing')}", f"attention {s.get('attn')}",
               f"optimizer {s.get('optimizer')}", f"loss {s.get('loss')}", f"stack {s.get('stack')}"]
-    on = [name for name in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments") if s.get(name)]
+    on = [name for name in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments", "offload_embeddings")
+          if s.get(name)]
     if s.get("kernels") and s.get("kernels") != "torch":
         on.append(f"kernels {s['kernels']}")
     if s.get("compile") and s.get("compile") != "none":

@@ -222,6 +222,10 @@ def prepare_model(model, s: TrainSetup):
             enable_offloaded_checkpointing(model)
         elif s.checkpointed_layers_mode == "selective":
             enable_selective_checkpointing(model, s.selective_k())
+    if s.offload_embeddings:
+        from .techniques.offload_embeddings import enable_offloaded_embeddings
+
+        enable_offloaded_embeddings(model)
     if s.compile == "layers":  # last: the compiled layers trace the LoRA branch and norms set above
         from .techniques.compile_layers import enable_compiled_layers
 

@@ -66,7 +66,9 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     if recipe:
         out = model(input_ids=input_ids, labels=labels, **extra)
         return out if return_output else out.loss
-    device = next(model.parameters()).device
+    from .techniques.offload_embeddings import compute_device
+
+    device = compute_device(model)  # not the first parameter's: an offloaded embedding table is on the CPU
     # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
     # apart by their restarting position_ids) only when no cache is passed
     kwargs = {"use_cache": False, **{k: v.to(device) for k, v in extra.items()}}
