@@ -99,7 +99,7 @@ class TrainSetup:
     offload_embeddings: bool = key(False, kind="bool",
                                    help="fitune's runner: the input embedding table stays in CPU memory and each "
                                         "step's embeddings are looked up there and copied to the GPU (LoRA / "
-                                        "QLoRA, untied embeddings: 1 GiB less for Llama-3.1-8B)")
+                                        "QLoRA, untied embeddings: 1.05 GB less for Llama-3.1-8B)")
     expandable_segments: bool = key(False, kind="bool", help="fitune's runner: PyTorch's allocator with expandable "
                                                              "segments (little fragmentation)")
     keep_outputs: bool = key(False, kind="bool",
@@ -170,6 +170,9 @@ class TrainSetup:
 
         def name(f: str) -> str:
             return label(by_field[f], (origin or {}).get(f, "flag"))
+
+        def turned_on(f: str) -> str:  # an on/off key as the user writes it on: `--lean-lora` / `lean_lora: true`
+            return name(f) if name(f).startswith("--") else f"{name(f)} true"
 
         def one_of(f: str, value, allowed):
             if value not in allowed:
@@ -244,7 +247,7 @@ class TrainSetup:
                                 f"checkpointing: turn those off, or use {name('compile')} none")
             if self.method in ("lora", "qlora") and not self.lean_lora:
                 problems.append(f"{name('compile')} layers is modelled with the lean LoRA branch: add "
-                                f"{name('lean_lora')} true")
+                                f"{turned_on('lean_lora')}")
         if self.keep_outputs and self.stack == "fitune":
             problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
                             f"model output: use {name('stack')} hf with it")
@@ -252,7 +255,7 @@ class TrainSetup:
             problems.append(f"{name('offload_embeddings')} keeps a frozen embedding table on the CPU; with "
                             f"{name('method')} {self.method} it trains: use lora or qlora, or drop it")
         if self.offload_embeddings and self.num_gpus > 1:
-            problems.append(f"{name('offload_embeddings')} was written for one GPU: drop it or {name('num_gpus')}")
+            problems.append(f"{name('offload_embeddings')} was written for one GPU: drop it, or train on one GPU")
         if self.lean_lora and self.method not in ("lora", "qlora"):
             problems.append(f"{name('lean_lora')} applies to LoRA adapters; {name('method')} {self.method} has none")
         if self.method == "qlora" and self.dtype == "fp32":
@@ -261,6 +264,19 @@ class TrainSetup:
         if problems:
             raise ConfigError(problems)
         return self
+
+
+def technique_labels(values) -> list[str]:
+    """The runner techniques a setup turns on, as short labels ("lean lora", "kernels liger", "compiled layers"), from
+    a TrainSetup or its `to_dict()` / JSON mapping: the line estimate and the reports print under the setup."""
+    get = values.get if isinstance(values, dict) else (lambda f, default=None: getattr(values, f, default))
+    on = [f.replace("_", " ") for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments",
+                                        "offload_embeddings") if get(f)]
+    if get("kernels") and get("kernels") != "torch":
+        on.append(f"kernels {get('kernels')}")
+    if get("compile") and get("compile") != "none":
+        on.append("compiled layers")
+    return on
 
 
 def parse_targets(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -148,3 +148,14 @@ def test_the_names_people_type_for_compile():
     for value, want in ((True, "layers"), ("regional", "layers"), ("on", "layers"), (False, "none")):
         s = TrainSetup.from_dict({"compile": value, "lean_lora": True, "stack": "fitune"})
         assert s.compile == want
+
+
+def test_the_lean_lora_hint_is_spelled_as_the_user_writes_it():
+    """On the command line the switch has no value (`--lean-lora`); in YAML it is `lean_lora: true`."""
+    s = _setup(compile="layers", lean_lora=False)
+    with pytest.raises(ConfigError) as flag:
+        s.validate()
+    assert "add --lean-lora" in str(flag.value) and "--lean-lora true" not in str(flag.value)
+    with pytest.raises(ConfigError) as yaml_key:
+        s.validate(origin={f: "yaml" for f in ("compile", "lean_lora")})
+    assert "add lean_lora: true" in str(yaml_key.value)

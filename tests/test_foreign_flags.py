@@ -25,5 +25,18 @@ def test_other_trainers_flags_get_a_did_you_mean(argv, expected, capsys):
 
 def test_a_stray_value_still_gets_argparses_message(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--keep-outputs", "true"])
-    assert exc.value.code == 2 and "unrecognized arguments: true" in capsys.readouterr().err
+        main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "stray"])
+    assert exc.value.code == 2 and "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag, value, yaml_key", [
+    (["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--keep-outputs", "true"], "--keep-outputs", "true", "keep_outputs"),
+    (["estimate", "llama-3.1-8b", "--no-lean-lora", "false"], "--no-lean-lora", "false", "lean_lora"),
+])
+def test_a_value_given_to_an_on_off_flag_says_how_to_write_it(argv, flag, value, yaml_key, capsys):
+    """`--lean-lora true` (HF's `--bf16 True` habit): one line naming the flag, how to turn it on and off, and the
+    YAML spelling; exit 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "usage:" not in err
+    assert f"{flag} takes no value (got {value!r})" in err and f"`{yaml_key}: true`" in err

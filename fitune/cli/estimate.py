@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..errors import ConfigError
-from ..setup import TrainSetup
+from ..setup import TrainSetup, technique_labels
 from ..units import gib
 
 DESCRIPTION = """\
@@ -169,10 +169,7 @@ def format_estimate(est, suggestions=()) -> str:
     lines.append(f"{est.model}: {method}, {s.batch_size} x {s.seq_len_tokens} tokens, {s.dtype}, "
                  f"checkpointing {s.grad_checkpointing}, attention {s.attn}, optimizer {s.optimizer}, "
                  f"loss {s.loss}, stack {s.stack}")
-    techniques = [n.replace("_", " ") for n in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments",
-                                                 "offload_embeddings") if getattr(s, n)]
-    techniques += [f"kernels {s.kernels}"] if s.kernels != "torch" else []
-    techniques += ["compiled layers"] if s.compile != "none" else []
+    techniques = technique_labels(s)
     if techniques:
         lines.append(f"  with {', '.join(techniques)}")
     lines.append(f"  {est.total_params / 1e9:.2f}B parameters, {est.trainable_params / 1e6:.2f}M trainable")

@@ -27,6 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _value_after_a_switch(parser: argparse.ArgumentParser, command: str, argv: list[str], extras: list[str]) -> str:
+    """`--lean-lora true`: a value given to an on/off flag (which takes none). The message for it, or ""."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    for value in extras:
+        i = argv.index(value) if value in argv else -1
+        action = sub._option_string_actions.get(argv[i - 1]) if i > 0 else None
+        if isinstance(action, argparse.BooleanOptionalAction):
+            from ..config import ALL_KEYS
+
+            on, off = action.option_strings[:2]
+            yaml_key = next((k.yaml for k in ALL_KEYS if k.flag == on), None)
+            in_yaml = f"; in a YAML config: `{yaml_key}: true`" if yaml_key else ""
+            return f"{argv[i - 1]} takes no value (got {value!r}): write {on} to turn it on, {off} to turn it off{in_yaml}"
+    return ""
+
+
 def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str], argv) -> int:
     """Flags the command does not have: one line each, with a "did you mean" that knows how HF Trainer, TRL, PEFT,
     Axolotl and torchtune spell fitune's keys (`--per-device-train-batch-size` -> `--batch-size`); exit 2. Anything
@@ -36,6 +52,11 @@ def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str],
 
     flags = [e for e in extras if e.startswith("--")]
     command = getattr(args, "command", None)
+    if command and not flags:
+        switched = _value_after_a_switch(parser, command, list(sys.argv[1:] if argv is None else argv), extras)
+        if switched:
+            print(f"fitune {command}: error: {switched}", file=sys.stderr)
+            return 2
     if not flags or not command:
         parser.parse_args(argv)  # argparse prints usage and its message, and exits 2
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..setup import technique_labels
 from .categories import ordered
 from .html import esc, num_bytes
 
@@ -18,14 +19,9 @@ def setup_line(s: dict) -> str:
         parts.append(f"{s['grad_accum']}x accumulation")
     parts += [s.get("dtype", ""), f"checkpointing {s.get('grad_checkpointing')}", f"attention {s.get('attn')}",
               f"optimizer {s.get('optimizer')}", f"loss {s.get('loss')}", f"stack {s.get('stack')}"]
-    on = [name for name in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments", "offload_embeddings")
-          if s.get(name)]
-    if s.get("kernels") and s.get("kernels") != "torch":
-        on.append(f"kernels {s['kernels']}")
-    if s.get("compile") and s.get("compile") != "none":
-        on.append("compiled layers")
+    on = technique_labels(s)
     if on:
-        parts.append("with " + ", ".join(x.replace("_", " ") for x in on))
+        parts.append("with " + ", ".join(on))
     return ", ".join(p for p in parts if p)
 
 

@@ -3,7 +3,7 @@
 A LoRA / QLoRA run never updates the input embeddings, and looking up a batch's rows is a gather, not a matmul:
 the CPU does it in microseconds, and only the looked-up rows (batch x tokens x hidden, 16 MiB for 2 x 2048 tokens of
 Llama-3.1-8B in bf16) cross to the GPU. What leaves the GPU is the whole table: vocabulary x hidden x 2 bytes, 1.0 GB
-for Llama-3.1-8B (128,256 x 4,096), a seventh of its QLoRA footprint, which matters on 8-12 GB cards. Models whose
+for Llama-3.1-8B (128,256 x 4,096), about a fifth of its QLoRA weights, which matters on 8-12 GB cards. Models whose
 lm_head shares the embedding's weight (tied, e.g. Llama-3.2-1B) keep it on the GPU: the lm_head is a matmul on every
 token. The result is the same computation on another device (tests/test_offload_embeddings.py); the gradient stops
 at the embeddings' output, as it does for a frozen table.
