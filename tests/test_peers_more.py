@@ -187,3 +187,34 @@ def test_fitune_probe_plans_and_trains_on_a_tiny_model(umc, tiny_model, tmp_path
     assert probe["est_peak_reserved_bytes"] > 0 and probe["tokens_per_s"] > 0
     assert summary["prior_source"] == "fitune plan's longest" and summary["plan_longest_tokens"] == 1024
     assert summary["longest_tokens"] == 1024 and summary["complete"]
+
+
+def test_fitune_probe_at_fixed_lengths_with_a_key_set_records_that_runs_estimate(umc, tiny_model, tmp_path):
+    """--lengths (bracketing a stack's longest in a few probes) with --fitune-set: the written plan gets the key,
+    the record says so and carries the estimate of the config that ran, not of the plan as written."""
+    out = tmp_path / "mc.jsonl"
+    proc = _py(["bench/peers/unsloth_max_context.py", "--stack", "fitune", "--model",
+                str(tiny_model / "config.json"), "--method", "lora", "--model-dir", str(tiny_model), "--cap",
+                "7.4GiB", "--out", str(out), "--lengths", "512,256", "--fitune-set", "lean_lora=false", "--fitune-plan-at", "256",
+                "--device", "cpu", "--work", str(tmp_path / "work")], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = _lines(out)
+    probe, summary = lines[0], lines[-1]
+    assert len(lines) == 2  # 512 fitted, so 256 was not probed
+    assert probe["fits"] is True and probe["set"] == {"lean_lora": False} and probe["setup"]["lean_lora"] is True
+    assert probe["est_peak_allocated_bytes"] > 0 and probe["planned_at_tokens"] == 256
+    assert probe["seq_len_tokens"] == 512 and probe["steps_done"] == 2
+    assert summary["mode"] == "lengths" and summary["longest_tokens"] == 512 and summary["set"] == {"lean_lora": False}
+    assert summary["probes"][0][:2] == [512, True]
+
+
+def test_lengths_mode_skips_what_a_probe_already_decides(umc):
+    results, probed = {}, []
+
+    def fits(n):
+        probed.append(n)
+        results[n] = n <= 3000
+        return results[n]
+
+    umc.probe_lengths(fits, [5000, 6000, 2000, 1000, 4000], results)
+    assert probed == [5000, 2000, 4000]  # 6000 > a failure; 1000 < a fit

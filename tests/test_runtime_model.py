@@ -1,6 +1,7 @@
 """fitune.runtime's one model builder, its layer finder and `prepare_model` on tiny models (CPU)."""
 
 import json
+import weakref
 
 import pytest
 
@@ -96,3 +97,52 @@ def test_prepare_model_freeze_trains_the_last_layers():
     assert all(p.requires_grad for p in layers[-1].parameters())
     assert not any(p.requires_grad for layer in layers[:-1] for p in layer.parameters())
     assert not model.get_input_embeddings().weight.requires_grad
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("qwen2", True)])
+def test_meta_built_model_is_made_one_layer_at_a_time_like_a_plain_random_init(model_type, tied):
+    """QLoRA's random init (`materialize_randomly`): built on meta, each decoder layer made real (and quantised on
+    a GPU) before the next exists; the result is the model a plain random init gives, up to the draws."""
+    from fitune.runtime.model import materialize_randomly
+
+    cfg = dict(CONFIG, model_type=model_type, tie_word_embeddings=tied, initializer_range=0.02)
+    hf = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
+                                                         if k not in ("architectures", "torch_dtype", "model_type")})
+    plain = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    layers = find_decoder_layers(model)
+    seen = []
+
+    replaced = []
+
+    def each_layer(layer):
+        i = layers.index(layer)
+        replaced.append(weakref.ref(layer.mlp.down_proj.weight))  # as quantising does: the weight is replaced
+        layer.mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(1))
+        real = [not p.is_meta for lay in layers for p in lay.parameters()]
+        assert all(not p.is_meta for lay in layers[:i + 1] for p in lay.parameters())
+        assert all(p.is_meta for lay in layers[i + 1:] for p in lay.parameters())  # the next is not made yet
+        seen.append((i, sum(real)))
+
+    materialize_randomly(model, "cpu", each_layer=each_layer)
+    assert [i for i, _ in seen] == list(range(CONFIG["num_hidden_layers"]))
+    assert all(r() is None for r in replaced)  # nothing kept the replaced full-precision weights alive
+    for layer in layers:
+        layer.mlp.down_proj.weight = torch.nn.Parameter(torch.randn(CONFIG["hidden_size"], CONFIG["intermediate_size"])
+                                                        * 0.02)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert a.shape == b.shape, name
+        if "norm" in name:
+            assert torch.equal(b, torch.ones_like(b)), name  # norms at one, as transformers initialises them
+        elif name.endswith("bias"):
+            assert torch.equal(b, torch.zeros_like(b)), name
+        else:
+            assert abs(b.std().item() - 0.02) < 0.01, name  # linears and embeddings: normal(0, 0.02)
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.allclose(a, b), name  # the rotary tables are computed, not left empty
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(300.0)).item()) < 0.5

@@ -84,10 +84,22 @@ def parse_args(argv=None):
     p.add_argument("--fitune-optimizer", default="adamw",
                    help="fitune: the first plan whose optimizer is one of these (comma-separated; adamw: torch's, as "
                         "--optim adamw_torch; with --optim adamw_8bit give adamw,adamw8bit); 'any': plan 1")
+    p.add_argument("--fitune-retries", action="store_true",
+                   help="fitune: accept a plan whose reserved peak is over the budget (it says to expect allocator "
+                        "retries); by default only plans without them count as fitting")
+    p.add_argument("--fitune-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="fitune: a setup key set in the written plan before training (YAML value, e.g. "
+                        "offload_embeddings=true); the run's own estimate is then recorded from that config")
+    p.add_argument("--fitune-plan-at", type=int, metavar="N",
+                   help="fitune: plan at N tokens and train that plan at the probe's length (with --fitune-set: a "
+                        "technique the planner does not propose yet, on the plan it makes where it still fits)")
     p.add_argument("--start", type=int, default=8192, help="first length of the doubling search (--prior none)")
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--limit", type=int, default=262144)
     p.add_argument("--prior", default="auto", help="auto | none | a length to probe first and gallop from")
+    p.add_argument("--lengths", help="instead of a search, probe these lengths in order (comma-separated; 'plan': "
+                                     "fitune plan's longest), skipping any a probe already decides (a shorter one "
+                                     "failed or a longer one fitted): brackets the longest for a few probes")
     p.add_argument("--probe-timeout", type=float, default=420, help="seconds one probe may take")
     p.add_argument("--budget-s", type=float, default=0, help="seconds for the whole search (0: no limit)")
     p.add_argument("--min-probe-s", type=float, default=60, help="start no probe with less than this left")
@@ -199,14 +211,30 @@ def plan_choice(args, n: int) -> tuple[int | None, dict]:
     if proc.returncode not in (0, 2) or (not plans and not answer):
         raise RuntimeError(f"fitune plan exit {proc.returncode}: {(proc.stdout[-500:] + proc.stderr[-1500:]).strip()}")
     for plan in plans:
+        if plan.get("retries_expected") and not args.fitune_retries:
+            continue  # the plan itself says a fragmented cache can fail it: not what fitune claims fits
         if args.fitune_optimizer == "any" or plan["setup"].get("optimizer") in args.fitune_optimizer.split(","):
             info["picked"] = plan["rank"]
             info["setup"] = plan["setup"]
             info["est_peak_allocated_bytes"] = plan.get("peak_allocated_bytes")
             info["est_peak_reserved_bytes"] = plan.get("peak_reserved_bytes")
             return plan["rank"], info
-    info["plan_says"] = (f"no plan with optimizer {args.fitune_optimizer}" if plans else "nothing fits")
+    info["plan_says"] = (f"no plan with optimizer {args.fitune_optimizer} and without allocator retries" if plans
+                         else "nothing fits")
     return None, info
+
+
+def fitune_changes(args) -> dict:
+    """--fitune-set KEY=VALUE ... as a dict of YAML values."""
+    import yaml
+
+    out = {}
+    for item in args.fitune_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--fitune-set {item!r}: write KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def probe_fitune(args, n: int) -> None:
@@ -235,15 +263,18 @@ def probe_fitune(args, n: int) -> None:
 
     signal.signal(signal.SIGTERM, _term)
     try:
-        pick, info = plan_choice(args, n)
+        plan_n = args.fitune_plan_at or n
+        pick, info = plan_choice(args, plan_n)
         rec.update(info)
+        if args.fitune_plan_at:
+            rec["planned_at_tokens"] = plan_n
         if pick is None:
             return finish(fits=False, plan_fits=False, error=f"fitune plan: {info['plan_says']}")
-        run = os.path.join(args.work, f"fitune_{args.cap}_{n}")
+        run = os.path.join(args.work, f"fitune_{args.cap}_{n}" + "".join(f"_{x}" for x in args.fitune_set))
         shutil.rmtree(run, ignore_errors=True)
         os.makedirs(run)
         plan_path = os.path.join(run, "plan.yaml")
-        proc = subprocess.run(_fitune_cmd() + _plan_args(args, n) + ["--top", "10", "--write", plan_path,
+        proc = subprocess.run(_fitune_cmd() + _plan_args(args, plan_n) + ["--top", "10", "--write", plan_path,
                                                                      "--pick", str(pick)],
                               capture_output=True, text=True, timeout=300, env=_fitune_env())
         if proc.returncode != 0:
@@ -255,11 +286,21 @@ def probe_fitune(args, n: int) -> None:
                 f.write(json.dumps({"text": " ".join(words[(r * 7 + i) % 4000] for i in range(n + 16))}) + "\n")
         cfg = yaml.safe_load(open(plan_path))
         cfg.pop("epochs", None)
-        cfg.update({"model": args.model, "init": "random", "tokenizer": args.model_dir,
+        cfg.update({"model": args.model, "init": "random", "seq_len": n, "tokenizer": args.model_dir,
                     "data": {"path": data, "format": "text"}, "max_steps": args.steps, "cap": args.cap,
                     "output_dir": os.path.join(run, "out")})
+        if args.fitune_set:
+            changes = fitune_changes(args)
+            cfg.update(changes)
+            rec["set"] = changes
         with open(plan_path, "w") as f:
             yaml.safe_dump(cfg, f)
+        if args.fitune_set or args.fitune_plan_at:  # the plan's estimate was of the plan as written: estimate what runs
+            est = subprocess.run(_fitune_cmd() + ["estimate", "--config", plan_path, "--gpu", args.cap, "--json"],
+                                 capture_output=True, text=True, timeout=300, env=_fitune_env())
+            answer = json.loads(est.stdout) if est.returncode == 0 else {}
+            rec["est_peak_allocated_bytes"] = answer.get("peak_allocated_bytes")
+            rec["est_peak_reserved_bytes"] = answer.get("peak_reserved_bytes")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(_fitune_cmd() + ["train", plan_path, "--no-progress"], capture_output=True,
@@ -334,11 +375,23 @@ def gallop(fits, prior: int, resolution: int, limit: int) -> None:
         top = below
 
 
+def probe_lengths(fits, lengths: list[int], results: dict[int, bool]) -> None:
+    """Probe each length in order unless an earlier probe decides it: a shorter length failed (this one would
+    too) or a longer one fitted (this one would too)."""
+    for n in lengths:
+        if any(not ok and m <= n for m, ok in results.items()) or any(ok and m >= n for m, ok in results.items()):
+            continue
+        fits(n)
+
+
 def _child_argv(args, n: int) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--probe", str(n), "--stack", args.stack, "--model-dir",
             args.model_dir, "--out", args.out, "--cap", args.cap, "--model", args.model, "--method", args.method,
             "--lora-rank", str(args.lora_rank), "--steps", str(args.steps), "--optim", args.optim,
-            "--fitune-optimizer", args.fitune_optimizer, "--work", args.work, "--device", args.device,
+            "--fitune-optimizer", args.fitune_optimizer] + (["--fitune-retries"] if args.fitune_retries else []) + [
+            x for item in args.fitune_set for x in ("--fitune-set", item)] + (
+            ["--fitune-plan-at", str(args.fitune_plan_at)] if args.fitune_plan_at else []) + [
+            "--work", args.work, "--device", args.device,
             "--probe-timeout", str(args.probe_timeout)]
     if args.no_card_view:
         argv.append("--no-card-view")
@@ -456,18 +509,30 @@ def search_main(args) -> int:
 
     summary = {"stack": args.stack, "summary": True, "cap": args.cap, "method": args.method,
                "lora_rank": args.lora_rank, "steps": args.steps, "resolution": args.resolution, "limit": args.limit}
+    if args.stack == "fitune" and args.fitune_set:
+        summary["set"] = fitune_changes(args)
+    if args.stack == "fitune" and args.fitune_plan_at:
+        summary["planned_at_tokens"] = args.fitune_plan_at
     stopped = None
     try:
-        prior, source = resolve_prior(args)
-        summary.update(prior=prior, prior_source=source)
-        if prior:
-            summary["first_probe"] = min(args.limit // args.resolution * args.resolution,
-                                         max(args.resolution, prior // args.resolution * args.resolution))
-            gallop(fits, prior, args.resolution, args.limit)
+        if args.lengths:
+            words = [x.strip() for x in args.lengths.split(",")]
+            lengths = [plan_longest(args) if x == "plan" else int(x) for x in words]
+            summary.update(mode="lengths", lengths=lengths)
+            if "plan" in words:
+                summary["plan_longest_tokens"] = lengths[words.index("plan")]
+            probe_lengths(fits, lengths, results)
         else:
-            from bench.max_context import search
+            prior, source = resolve_prior(args)
+            summary.update(prior=prior, prior_source=source)
+            if prior:
+                summary["first_probe"] = min(args.limit // args.resolution * args.resolution,
+                                             max(args.resolution, prior // args.resolution * args.resolution))
+                gallop(fits, prior, args.resolution, args.limit)
+            else:
+                from bench.max_context import search
 
-            search(fits, args.start, args.resolution, args.limit)
+                search(fits, args.start, args.resolution, args.limit)
     except (OutOfBudget, Terminated) as e:
         stopped = f"out of budget: {e}"
     except ProbeError as e:

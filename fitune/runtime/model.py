@@ -75,15 +75,18 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
         from transformers import AutoConfig
 
         hf_config = AutoConfig.for_model(config["model_type"], **kwargs)
-        with torch.device(device):  # weights are created where they live: no CPU copy of a 16 GB model
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
-                                                     attn_implementation=attn)
         if quantize == "nf4":
-            quantize_decoder_to_nf4(model)
-            # the whole bf16 model existed for a moment (a pretrained load quantises tensor by tensor and never
-            # holds it): give its cached blocks back, or they stay in the reserved peak (phi-3-mini QLoRA: 9.97
-            # GiB reserved for 4.73 allocated, bench/results/issue12/options.jsonl case 27)
+            # built on the meta device, then made real one part at a time, each decoder layer quantised as soon as
+            # it exists: the whole bf16 model never is (an 8B one, 15 GiB, does not fit an 8 or 12 GB card)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
+                                                         attn_implementation=attn)
+            materialize_randomly(model, device, each_layer=quantize_layer_to_nf4)
             torch.cuda.empty_cache()
+        else:
+            with torch.device(device):  # weights are created where they live: no CPU copy of a 16 GB model
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
+                                                         attn_implementation=attn)
     else:
         kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
                   "trust_remote_code": trust_remote_code}
@@ -130,31 +133,67 @@ def _hf_config(source: Any) -> dict:
     return load_model_spec(str(source)).hf_config
 
 
-def quantize_decoder_to_nf4(model) -> int:
-    """Replace every `nn.Linear` inside the decoder layers with a bitsandbytes NF4 `Linear4bit` (in place).
+def materialize_randomly(model, device, each_layer=None) -> None:
+    """Give a model built on the meta device real tensors on `device`, drawn as transformers initialises them
+    (the model's own `_init_weights`: normal linears and embeddings, norms at one, rotary tables computed).
 
-    Quantises on the weights' own device (fast on a GPU). Embeddings and lm_head are left as they are.
-    Returns the number of layers replaced.
+    The parts outside the decoder layers come first, then each decoder layer in order, `each_layer(layer)` called
+    on it before the next is made (QLoRA quantises there), so at most one layer exists at full precision. Tensors
+    shared between modules (tied embeddings) stay shared.
     """
+    layers = find_decoder_layers(model)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+
+    def make(module, made: dict) -> None:
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:  # the meta tensor is kept with it: its id cannot be reused meanwhile
+                    real = torch.empty_like(t, device=device)
+                    made[id(t)] = (t, torch.nn.Parameter(real, requires_grad=t.requires_grad)
+                                   if isinstance(t, torch.nn.Parameter) else real)
+                store[name] = made[id(t)][1]
+        model._init_weights(module)
+
+    with torch.no_grad():
+        outside: dict = {}
+        for m in model.modules():
+            if id(m) not in in_layers:
+                make(m, outside)
+        for layer in layers:
+            mine: dict = {}  # dropped after the layer: nothing here may keep its full-precision weights alive
+            for m in layer.modules():
+                make(m, mine)
+            del mine
+            if each_layer is not None:
+                each_layer(layer)
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftover:  # a tensor outside every module's own store: nothing here could give it a value
+        raise RuntimeError(f"random init left tensors on the meta device: {', '.join(leftover[:5])}")
+
+
+def quantize_layer_to_nf4(layer) -> int:
+    """Replace every `nn.Linear` inside one decoder layer with a bitsandbytes NF4 `Linear4bit` (in place), quantised
+    on the weights' own device (fast on a GPU); how many. Embeddings and lm_head stay as they are."""
     import bitsandbytes as bnb
 
     replaced = 0
-    for layer in find_decoder_layers(model):
-        for _, parent in list(layer.named_modules()):
-            for child_name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                                      device="meta")
-                weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
-                                           quant_type="nf4", module=q)
-                q.weight = weight.to(child.weight.device)  # quantises here, on the GPU
-                if child.bias is not None:
-                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, child_name, q)
-                del child, weight  # the bf16 weight is freed once nothing refers to it
-                replaced += 1
+    for _, parent in list(layer.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                       quant_type="nf4", module=q)
+            q.weight = weight.to(child.weight.device)  # quantises here, on the GPU
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, child_name, q)
+            del child, weight  # the bf16 weight is freed once nothing refers to it
+            replaced += 1
     return replaced
 
 
