@@ -434,6 +434,32 @@ def test_emitted_offload_plan_sets_up_checkpointing_itself(capsys):
     assert "gradient_checkpointing=True" not in code  # the Trainer would replace the offloaded checkpoint function
 
 
+def test_offloaded_embeddings_only_where_offloaded_checkpoints_do_not_fit(capsys):
+    """At an 8 GB budget the QLoRA plan moves the frozen embedding table to the CPU (offloaded checkpoints alone are
+    over the budget there) and the emitted script does it once the Trainer has placed the model; a 24 GB card at
+    2k tokens, a tied model or several GPUs never get it."""
+    llama = load_model_spec("llama-3.1-8b")
+    req = PlanRequest(llama, resolve_gpu("7.4GiB"), batch_size=1, methods=("qlora",), seq_len_tokens=16384,
+                      lora_rank=32, lora_targets=("all-linear",))
+    first = plan(req).plans[0]
+    assert first.setup.offload_embeddings and first.setup.grad_checkpointing == "offload"
+    assert any("offloaded input embeddings" in t for t in first.turns_on)
+    roomy = plan(PlanRequest(llama, resolve_gpu("rtx4090"), batch_size=2, methods=("lora", "qlora")))
+    assert roomy.plans and not any(p.setup.offload_embeddings for p in roomy.plans)
+    tied = plan(PlanRequest(load_model_spec("llama-3.2-1b"), resolve_gpu("2GiB"), batch_size=1, methods=("qlora",),
+                            seq_len_tokens=4096))
+    assert tied.plans and not any(p.setup.offload_embeddings for p in tied.plans)
+    multi = plan(PlanRequest(llama, resolve_gpu("7.4GiB"), batch_size=2, methods=("qlora",), seq_len_tokens=16384,
+                             num_gpus=2, lora_rank=32, lora_targets=("all-linear",)))
+    assert not any(p.setup.offload_embeddings and p.setup.num_gpus > 1 for p in multi.plans)
+    rc, code, _ = _run(["plan", "llama-3.1-8b", "--gpu", "7.4GiB", "--method", "qlora", "--seq-len", "16384",
+                        "--batch-size", "1", "--lora-targets", "all-linear", "--lora-rank", "32", "--emit", "hf"], capsys)
+    assert rc == 0
+    ast.parse(code)
+    assert code.index("trainer = ChunkedLossTrainer(") < code.index("enable_offloaded_embeddings(trainer.model)") \
+        < code.index("trainer.train()")
+
+
 def test_plan_imports_no_torch():
     code = ("import sys, io, contextlib\nfrom fitune.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"

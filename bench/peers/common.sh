@@ -1,4 +1,4 @@
-# Shared by bench/peers/run.sh and run_more.sh (sourced from the repo root, not run): the environment every peer
+# Shared by bench/peers/run.sh, run_more.sh and context_lanes.sh (sourced from the repo root, not run): the environment every peer
 # runs in (offline, unbuffered), the work folder, the machine's description and the model folder.
 # The functions expect PY, OUT, LOGS, DEVICE and T0 to be set.
 
@@ -29,4 +29,18 @@ make_model_once() {
     tail -1 "$LOGS/make_model.log"
   fi
   echo "### model ready at $(( $(date +%s) - T0 ))s"
+}
+
+# probe_setup: the llama8b model folder (made once; PEERS_MAKE_ARGS: a custom one, to test without a GPU) in MODEL,
+# and the probes' --fake-threshold (PEERS_FAKE_THRESHOLD, tests only) in FAKE: what run_more.sh and
+# context_lanes.sh share
+probe_setup() {
+  MODEL=$WORK/llama8b
+  local make_args=()
+  if [ -n "${PEERS_MAKE_ARGS:-}" ]; then
+    read -r -a make_args <<< "$PEERS_MAKE_ARGS"; MODEL=$MODEL.custom
+  fi
+  FAKE=()
+  [ -n "${PEERS_FAKE_THRESHOLD:-}" ] && FAKE=(--fake-threshold "$PEERS_FAKE_THRESHOLD")
+  make_model_once "$MODEL" "${make_args[@]}"
 }

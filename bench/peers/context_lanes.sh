@@ -27,15 +27,8 @@ PY=${PYTHON:-python3}
 DEVICE=${PEERS_DEVICE:-cuda}
 MC=$OUT/max_context.jsonl
 STEPS=${PEERS_STEPS:-2}
-FAKE=()
-[ -n "${PEERS_FAKE_THRESHOLD:-}" ] && FAKE=(--fake-threshold "$PEERS_FAKE_THRESHOLD")
 write_env "budget=${BUDGET}s lanes=$* device=$DEVICE steps=$STEPS"
-MODEL=$WORK/llama8b
-MAKE_ARGS=()
-if [ -n "${PEERS_MAKE_ARGS:-}" ]; then
-  read -r -a MAKE_ARGS <<< "$PEERS_MAKE_ARGS"; MODEL=$MODEL.custom
-fi
-make_model_once "$MODEL" "${MAKE_ARGS[@]}"
+probe_setup
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 

@@ -39,17 +39,9 @@ DEVICE=${PEERS_DEVICE:-cuda}
 MC=$OUT/max_context.jsonl
 RL=$OUT/real_length.jsonl
 RL_STEPS=${PEERS_RL_STEPS:-20}
-FAKE=()
-[ -n "${PEERS_FAKE_THRESHOLD:-}" ] && FAKE=(--fake-threshold "$PEERS_FAKE_THRESHOLD")
 
 write_env "budget=${BUDGET}s parts=${PARTS[*]} device=$DEVICE"
-
-MODEL=$WORK/llama8b
-MAKE_ARGS=()
-if [ -n "${PEERS_MAKE_ARGS:-}" ]; then
-  read -r -a MAKE_ARGS <<< "$PEERS_MAKE_ARGS"; MODEL=$MODEL.custom
-fi
-make_model_once "$MODEL" "${MAKE_ARGS[@]}"
+probe_setup
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 

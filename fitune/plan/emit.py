@@ -257,8 +257,11 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
              "    logging_steps=1,",
              ")",
              f"trainer = {'ChunkedLossTrainer' if s.loss == 'chunked' else 'Trainer'}(model=model, args=args, "
-             "train_dataset=train_dataset)",
-             "trainer.train()",
+             "train_dataset=train_dataset)"]
+    if s.offload_embeddings:
+        body.append("enable_offloaded_embeddings(trainer.model)  # after the Trainer put the model on the GPU: the "
+                    "input embedding table moves to CPU memory")
+    body += ["trainer.train()",
              ""]
     # Comments quote what the user typed (the GPU, the data path): each stays one line, whatever it holds.
     return "\n".join(one_line(line) if line.lstrip().startswith("#") else line for line in body)
@@ -282,6 +285,8 @@ def _fitune_techniques(s: TrainSetup) -> list[tuple[str, str, list[str]]]:
         out.append(("offload", "enable_offloaded_checkpointing", [
             'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
             "enable_offloaded_checkpointing(model)  # each layer's input waits in pinned host memory"]))
+    if s.offload_embeddings:  # applied once the Trainer has placed the model (see hf_code)
+        out.append(("offload_embeddings", "enable_offloaded_embeddings", []))
     if s.compile == "layers":  # last: the compiled layers trace the techniques above
         out.append(("compile_layers", "enable_compiled_layers", [
             "enable_compiled_layers(model)  # torch.compile each decoder layer (keep torch_compile=False: not the "

@@ -262,6 +262,8 @@ class _Group:
     gpus: int = 0
     """GPUs the setup runs on (0: the request's --gpus)."""
     strategy: str = "ddp"
+    offload_embeddings: bool = False
+    """The frozen input embedding table in CPU memory: searched only where the same setup without it does not fit."""
 
 
 #: How the GPUs share the model, in the order the search prefers them when the predicted speeds tie
@@ -338,18 +340,26 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
                 if ckpt == "offload" and req.host_ram_bytes is not None \
                         and _offload_host_bytes(req, micro) > req.host_ram_bytes:
                     continue  # the offloaded checkpoints would not fit in the host memory given
-                g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy)
-                g.score = _tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1] * (1 - SPEED_TIE * _nondefault(g))
-                groups.append(g)
+                for emb in (False, True) if ckpt == "offload" and _embeddings_offloadable(req, method, gpus) else (False,):
+                    g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy,
+                               offload_embeddings=emb)
+                    g.score = (_tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1]
+                               * (1 - SPEED_TIE * _nondefault(g)))
+                    groups.append(g)
     groups.sort(key=lambda g: -g.score)
 
     accepted: list[_Group] = []
     infeasible: list[_Group] = []
+    over: list[_Group] = []  # skipped as heavier than a setup that did not fit
     for g in _reported(groups, progress):
+        if g.offload_embeddings and not any(_twin_on_gpu(g, x) for x in infeasible + over + [
+                p for p in accepted if p.estimate is not None and p.estimate.retries_expected]):
+            continue  # the table moves to the CPU only where even offloaded checkpoints do not fit without retries
         if g.loss == "chunked" and any(_same_but_loss(g, p) and p.estimate is not None
                                        and p.estimate.peak_reserved_bytes < 0.95 * budget for p in accepted):
             continue  # the plain loss already fits here with room to spare, and chunking is never faster
         if any(_heavier_or_equal(g, x) for x in infeasible):
+            over.append(g)
             continue  # needs at least the memory of a setup that did not fit
         if any(_heavier_or_equal(g, p) for p in accepted):
             continue  # slower than a plan already found and no lighter: never the better choice
@@ -395,7 +405,7 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
                    lean_norm=req.kernels == "torch" and compiled == "none"
                    and req.model.model_type in LEAN_NORM_MODEL_TYPES,
                    expandable_segments=True, tiled_mlp=g.ckpt == "offload", num_gpus=g.gpus or req.num_gpus,
-                   strategy=g.strategy)
+                   strategy=g.strategy, offload_embeddings=g.offload_embeddings)
     if req.keep_outputs:  # the user's own transformers + PEFT loop, as written: none of fitune's techniques
         s = s.replace(stack="hf", keep_outputs=True, lean_lora=False, lean_norm=False, expandable_segments=False,
                       tiled_mlp=False)
@@ -423,12 +433,28 @@ def _tokens_per_s(req: PlanRequest, setup: TrainSetup, packing: bool) -> tuple[t
 
 
 def _nondefault(g: _Group) -> int:
-    return int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload") + int(g.strategy != "ddp")
+    return (int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload") + int(g.strategy != "ddp")
+            + int(g.offload_embeddings))
+
+
+def _embeddings_offloadable(req: PlanRequest, method: str, gpus: int) -> bool:
+    """Whether the search tries `offload_embeddings` (fitune/runtime/techniques/offload_embeddings.py): fitune's
+    runner, LoRA / QLoRA (the table is frozen), one GPU, an lm_head of its own (a tied table is a matmul on every
+    token and stays on the GPU)."""
+    return (method in ("lora", "qlora") and (gpus or req.num_gpus) == 1 and not req.keep_outputs
+            and not req.model.tie_word_embeddings)
+
+
+def _twin_on_gpu(a: _Group, b: _Group) -> bool:
+    """`b` is `a` with the embedding table on the GPU."""
+    return not b.offload_embeddings and dataclasses.replace(a, offload_embeddings=False, score=0.0, optimizer=None,
+                                                              estimate=None) == \
+        dataclasses.replace(b, score=0.0, optimizer=None, estimate=None)
 
 
 def _same_but_loss(a: _Group, b: _Group) -> bool:
-    return (a.method, a.micro, a.ckpt, a.attn, a.packing, a.gpus, a.strategy) == \
-        (b.method, b.micro, b.ckpt, b.attn, b.packing, b.gpus, b.strategy)
+    return (a.method, a.micro, a.ckpt, a.attn, a.packing, a.gpus, a.strategy, a.offload_embeddings) == \
+        (b.method, b.micro, b.ckpt, b.attn, b.packing, b.gpus, b.strategy, b.offload_embeddings)
 
 
 def _heavier_or_equal(a: _Group, b: _Group) -> bool:
@@ -442,7 +468,7 @@ def _heavier_or_equal(a: _Group, b: _Group) -> bool:
                                  and _ATTN_MEMORY[a.attn] >= _ATTN_MEMORY[b.attn]):
         return False
     return (a.micro >= b.micro and _CKPT_MEMORY[a.ckpt] >= _CKPT_MEMORY[b.ckpt]
-            and _LOSS_MEMORY[a.loss] >= _LOSS_MEMORY[b.loss])
+            and _LOSS_MEMORY[a.loss] >= _LOSS_MEMORY[b.loss] and a.offload_embeddings <= b.offload_embeddings)
 
 
 def _parallel_heavier_or_equal(a: _Group, b: _Group) -> bool:
@@ -595,6 +621,10 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
         out.append(f"offloaded checkpoints (each layer's input waits in pinned host memory: {_fmt(host)} of host RAM)")
     if s.tiled_mlp:
         out.append("tiled MLP (one tile of the MLP's intermediates at a time)")
+    if s.offload_embeddings:
+        table = weight_terms.offloaded_embedding_bytes(req.model, s)
+        out.append(f"offloaded input embeddings (the frozen table, {_fmt(table)}, in CPU memory; each step's rows are "
+                   "looked up there and copied to the GPU)")
     if s.attn != "sdpa":
         out.append(f"{s.attn} attention")
     if s.loss == "chunked":
@@ -705,7 +735,8 @@ def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, 
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
     host = _offload_host_bytes(req, 1, seq_len_tokens)
     ckpt = "offload" if (req.host_ram_bytes is None or host <= req.host_ram_bytes) and not req.keep_outputs else "full"
-    g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf")
+    g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf",
+               offload_embeddings=_embeddings_offloadable(req, method, 1))
     s = _setup(req, g, opt, **changes)
     return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
 

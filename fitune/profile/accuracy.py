@@ -113,6 +113,24 @@ def compare_setups(path: str, gpu: str = "h200") -> list[AccuracyRow]:
     return rows
 
 
+def compare_context(path: str, model: str = "llama-3.1-8b") -> list[AccuracyRow]:
+    """The same comparison for bench/peers/unsloth_max_context.py's fitune probes that completed (`fits` true):
+    each holds its `setup` and the allocator cap it ran under (`cap`, estimated as that budget); the model is the
+    catalog's `model` (the probes train llama-3.1-8b)."""
+    rows = []
+    spec = load_model_spec(model)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("stack") != "fitune" or r.get("summary") or r.get("fits") is not True:
+                continue
+            setup = TrainSetup.from_dict(r["setup"])
+            est = estimate(spec, setup, resolve_gpu(r["cap"]))
+            rows.append(AccuracyRow(_label(model, setup), r["peak_allocated_bytes"], est.peak_allocated_bytes,
+                                    r["peak_reserved_bytes"], est.peak_reserved_bytes, setup, spec.model_type))
+    return rows
+
+
 def summary(rows: list[AccuracyRow]) -> dict[str, float]:
     a = [abs(r.allocated_error_pct) for r in rows]
     b = [abs(r.reserved_error_pct) for r in rows]
@@ -150,6 +168,8 @@ SOURCES = (
     ("bench/results/issue12/options.jsonl", "profile", "in"),
     ("bench/results/speed/speed.jsonl", "setup", "out"),
     ("bench/results/rank_check/rank_check.jsonl", "setup", "out"),
+    ("bench/results/peers/context_per_card/call1/max_context.jsonl", "context", "out"),
+    ("bench/results/peers/context_per_card/call2/max_context.jsonl", "context", "out"),
 )
 
 
@@ -157,7 +177,8 @@ def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
     import dataclasses
     import os
 
-    readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups}
+    readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups,
+               "context": compare_context}
     # the compiled-layer runs (compile: layers) are in-sample whatever their file: the estimator's model of the
     # compiled layer was made from them (and bench/results/speed/compile_saved.jsonl)
     return [(rel, [dataclasses.replace(r, sample="in" if r.setup.compile != "none" else sample)
