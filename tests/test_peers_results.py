@@ -104,3 +104,19 @@ def test_readme_real_length_figures_are_the_record():
     assert (f"`fitune train` {fitune[0]['trained_tokens_per_s']:,.0f} and {fitune[1]['trained_tokens_per_s']:,.0f} "
             "in two calls") in readme
     assert all(r["setup"]["packing"] is False for r in fitune)  # what the README says the plan chose
+
+
+def test_readme_real_length_same_call_is_the_record():
+    """The real-length call after the packing rule: the Trainer default and `fitune train` in one GPU call."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().replace("\n", " ")
+    rows = _lines(os.path.join("real_length2", "real_length.jsonl"))
+    trainer = [r for r in rows if r["stack"] == "hf_trainer" and r["fits"]]
+    fitune = [r for r in rows if r["stack"] == "fitune" and r["fits"]]
+    assert len(trainer) == len(fitune) == 1
+    t, f = trainer[0], fitune[0]
+    assert f["setup"]["packing"] is True and f["setup"]["packing_attention"] == "varlen"
+    assert (t["micro_batch_size"], t["grad_accum"]) == (2, 2)
+    assert f"default {t['trained_tokens_per_s']:,.0f} trained tokens/s (micro-batch 2 x 2" in readme
+    assert f"`fitune train` {f['trained_tokens_per_s']:,.0f} (packing" in readme
+    ratio = f["trained_tokens_per_s"] / t["trained_tokens_per_s"]
+    assert f"**{ratio:.2f}x** the Trainer default" in readme and ratio >= 2
