@@ -44,3 +44,17 @@ probe_setup() {
   [ -n "${PEERS_FAKE_THRESHOLD:-}" ] && FAKE=(--fake-threshold "$PEERS_FAKE_THRESHOLD")
   make_model_once "$MODEL" "${make_args[@]}"
 }
+
+# search_summary LABEL STACK CAP RC LOG START [MODE]: after one unsloth_max_context.py run, print its SUMMARY line
+# (with the exit code and seconds since START); with none, append a summary line saying why to $MC and show the
+# log's end
+search_summary() {
+  local label=$1 stack=$2 cap=$3 rc=$4 log=$5 t=$6 mode=${7:-} line
+  line=$(grep -o 'SUMMARY {.*' "$log" | tail -1)
+  echo "[$label] rc=$rc $(( $(date +%s) - t ))s ${line#SUMMARY }" | cut -c1-400
+  if [ -z "$line" ]; then
+    printf '{"stack": "%s", "summary": true, "cap": "%s",%s "longest_tokens": null, "complete": false, "stopped": "no summary: exit code %s"}\n' \
+      "$stack" "$cap" "${mode:+ \"mode\": \"$mode\",}" "$rc" >> "$MC"
+    tail -8 "$log"
+  fi
+}

@@ -54,13 +54,7 @@ item() {  # item STACK@CAP:LENGTHS[:KEY=VALUE[,KEY=VALUE]]
     --out "$MC" --lengths "$lengths" --steps "$STEPS" --probe-timeout "$(( l - 15 ))" --budget-s "$(( l - 10 ))" \
     --min-probe-s 60 --optim adamw_8bit --fitune-optimizer any --log-dir "$LOGS" --work "$WORK/max_context" \
     --device "$DEVICE" "${sets[@]}" "${FAKE[@]}" > "$log" 2>&1
-  local rc=$? line
-  line=$(grep -o 'SUMMARY {.*' "$log" | tail -1)
-  echo "[$spec] rc=$rc $(( $(date +%s) - t ))s ${line#SUMMARY }" | cut -c1-300
-  if [ -z "$line" ]; then
-    printf '{"stack": "%s", "summary": true, "cap": "%s", "mode": "lengths", "longest_tokens": null, "complete": false, "stopped": "no summary: exit code %s"}\n' "$stack" "$cap" "$rc" >> "$MC"
-    tail -8 "$log"
-  fi
+  search_summary "$spec" "$stack" "$cap" $? "$log" "$t" lengths
 }
 
 lane() { local spec; for spec in $1; do item "$spec"; done; }

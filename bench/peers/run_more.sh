@@ -61,13 +61,7 @@ search() {  # search STACK CAP: one longest-context search (its probes in their 
   timeout -k 30 "$l" "$PY" bench/peers/unsloth_max_context.py --stack "$stack" --cap "$cap" --model-dir "$MODEL" \
     --out "$MC" --resolution "$res" --probe-timeout "$limit" --steps "$steps" --budget-s $(( l - 20 )) --log-dir "$LOGS" \
     --work "$WORK/max_context" --device "$DEVICE" "${FAKE[@]}" > "$log" 2>&1
-  local rc=$? line
-  line=$(grep -o 'SUMMARY {.*' "$log" | tail -1)
-  echo "[$stack@$cap] rc=$rc $(( $(date +%s) - t ))s ${line#SUMMARY }" | cut -c1-400
-  if [ -z "$line" ]; then
-    printf '{"stack": "%s", "summary": true, "cap": "%s", "longest_tokens": null, "complete": false, "stopped": "no summary: exit code %s"}\n' "$stack" "$cap" "$rc" >> "$MC"
-    tail -8 "$log"
-  fi
+  search_summary "$stack@$cap" "$stack" "$cap" $? "$log" "$t"
 }
 
 RL_LAST=""
