@@ -263,7 +263,8 @@ class _Group:
     """GPUs the setup runs on (0: the request's --gpus)."""
     strategy: str = "ddp"
     offload_embeddings: bool = False
-    """The frozen input embedding table in CPU memory: searched only where the same setup without it does not fit."""
+    """The frozen input embedding table in CPU memory: searched only with offloaded checkpoints, and only where the
+    same setup with the table on the GPU does not fit without allocator retries."""
 
 
 #: How the GPUs share the model, in the order the search prefers them when the predicted speeds tie
