@@ -91,3 +91,42 @@ def test_context_lanes_script_runs_its_lanes(tmp_path):
     assert summaries["fitune"]["longest_tokens"] == 16384
     assert [r["seq_len_tokens"] for r in lines if r["stack"] == "fitune" and not r.get("summary")] == [16384]
     assert (out / "env.txt").exists() and (out / "lanes_tail.txt").exists()
+
+
+FOLDER_48 = os.path.join(ROOT, "bench", "results", "peers", "context_48gb")
+
+
+def _probes_48():
+    out = []
+    for part in ("call1", "call2", os.path.join("call3", "fitune"), os.path.join("call3", "unsloth")):
+        with open(os.path.join(FOLDER_48, part, "max_context.jsonl"), encoding="utf-8") as f:
+            out += [json.loads(x) for x in f if x.strip()]
+    return [r for r in out if not r.get("summary")]
+
+
+def test_48gb_row_is_the_record():
+    """The 48 GB row and its bullet (README) from bench/results/peers/context_48gb/: both stacks fit two steps at
+    196,608; at 245,760 Unsloth runs out of memory in its first step while fitune's first step completes far under the
+    cap (the call's time limit, not memory, ended its second step)."""
+    GiB = 2**30
+    cap = 47.4 * GiB
+    by = {(r["stack"], r["seq_len_tokens"]): r for r in _probes_48()}
+    both = 196608
+    for stack in ("fitune", "unsloth"):
+        r = by[stack, both]
+        assert r["fits"] is True and r["steps_done"] == r["steps"] == 2 and r["cap"] == "47.4GiB"
+    u, f = by["unsloth", 245760], by["fitune", 245760]
+    assert u["fits"] is False and u["steps_done"] == 0 and "out of memory" in u["error"]
+    assert f["fits"] is None and f["exit"] == "timeout" and f["steps_done"] == 1
+    assert f["peak_allocated_bytes"] < f["peak_reserved_bytes"] < cap - 8 * GiB
+    assert f["est_peak_allocated_bytes"] < cap - 12 * GiB
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "| 48 GB (47.4 GiB) | **196,608**; 245,760: first step done | 196,608 / 245,760 (first step) |" in readme
+    fitted = by["fitune", both]
+    quoted = (fitted["peak_allocated_bytes"], by["unsloth", both]["peak_allocated_bytes"], f["peak_allocated_bytes"],
+              f["peak_reserved_bytes"], f["est_peak_allocated_bytes"], f["est_peak_reserved_bytes"])
+    for nbytes in quoted:
+        assert f"{nbytes / GiB:.2f} GiB" in readme or f"{nbytes / GiB:.2f} /" in readme, nbytes
+    assert abs(fitted["est_peak_allocated_bytes"] / fitted["peak_allocated_bytes"] - 1) < 0.02
+    assert abs(fitted["est_peak_reserved_bytes"] / fitted["peak_reserved_bytes"] - 1) < 0.05
+    assert f"{f['step_seconds'][0]:.0f} s there" in readme

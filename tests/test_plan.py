@@ -613,6 +613,30 @@ def test_pick_writes_the_plan_asked_for(tmp_path, capsys):
     assert "--pick 4" in capsys.readouterr().err
 
 
+def test_write_keeps_an_earlier_plan_that_differs(tmp_path, capsys):
+    """A second `--write plan.yaml` never loses the first (perhaps hand-edited): a file with other contents is moved
+    to plan.yaml.bak, then plan.yaml.bak.1; the same contents written again keep nothing; --json names the copy."""
+    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2"]
+    out = tmp_path / "plan.yaml"
+    assert main(args + ["--write", str(out)]) == 0
+    first = out.read_text()
+    assert "kept the earlier" not in capsys.readouterr().out
+    assert main(args + ["--write", str(out)]) == 0  # the same plan again: nothing to keep
+    assert "kept the earlier" not in capsys.readouterr().out and not (tmp_path / "plan.yaml.bak").exists()
+    edited = first + "# my edit\n"
+    out.write_text(edited)
+    assert main(args + ["--write", str(out)]) == 0
+    assert f"as {out}.bak" in capsys.readouterr().out
+    assert (tmp_path / "plan.yaml.bak").read_text() == edited and out.read_text() == first
+    out.write_text("my second edit\n")
+    assert main(args + ["--write", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["written"] == str(out) and doc["kept_previous"] == f"{out}.bak.1"
+    assert (tmp_path / "plan.yaml.bak.1").read_text() == "my second edit\n"
+    assert (tmp_path / "plan.yaml.bak").read_text() == edited  # the older copy is not overwritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml", "plan.yaml.bak", "plan.yaml.bak.1"]
+
+
 def test_docs_plan_error_table_matches_the_fit():
     """docs/plan.md's per-model error table is the committed fit's (regenerate: python -m fitune.plan.throughput
     --show)."""

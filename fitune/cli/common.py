@@ -49,6 +49,33 @@ def setup_and_model(args, default_stack: str | None = None) -> tuple[str | None,
 
 
 
+def write_keeping_previous(path: str, text: str) -> str | None:
+    """Write `text` to `path` whole (a temporary file, then a rename: never half a file) and keep what was there:
+    an existing file with other contents is moved aside to the first free `PATH.bak`, `PATH.bak.1`, ... first, so
+    a hand-edited plan is never lost to a second `fitune plan --write`. Returns the name it was kept under, or
+    None (no earlier file, or the same contents)."""
+    import os
+
+    kept = None
+    if os.path.lexists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                same = f.read() == text
+        except (OSError, UnicodeDecodeError):
+            same = False
+        if not same:
+            kept, n = f"{path}.bak", 0
+            while os.path.lexists(kept):
+                n += 1
+                kept = f"{path}.bak.{n}"
+            os.replace(path, kept)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return kept
+
+
 def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
     """Refuse, before any work is done, an output file that cannot be written: an empty name, a folder, a path
     under a file, a missing folder (unless the writer makes it: `make_parents`) or one this user cannot write."""

@@ -66,7 +66,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host-ram", metavar="NGiB", help="host memory: methods whose loading needs more are left out")
     p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
-    p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config")
+    p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config (an "
+                   "existing file with other contents is kept as PLAN.yaml.bak)")
     p.add_argument("--emit", choices=("hf",), help="print the best plan as Hugging Face transformers + PEFT code")
     p.add_argument("--pick", type=int, default=1, metavar="N",
                    help="with --write / --emit: take plan N of the list instead of the first (1 to --top)")
@@ -141,7 +142,7 @@ def run(args) -> int:
     from ..specs.gpu import resolve_gpu
     from ..specs.model import catalog_key, load_model_spec, model_catalog
 
-    from .common import check_output_file
+    from .common import check_output_file, write_keeping_previous
 
     if not 1 <= args.pick <= max(1, args.top):
         raise ConfigError(f"--pick {args.pick}: give a plan number from 1 to --top ({args.top})")
@@ -199,8 +200,9 @@ def run(args) -> int:
     chosen = result.plans[args.pick - 1] if result.plans else None
     if args.write and result.plans:
         text = plan_yaml(chosen, req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
+        kept_previous = write_keeping_previous(args.write, text)
+    else:
+        kept_previous = None
     from ..report import maybe_write_html
 
     maybe_write_html(args, "plan", result_to_json(result, elapsed, notes))
@@ -208,6 +210,7 @@ def run(args) -> int:
         doc = result_to_json(result, elapsed, notes)
         if args.write and result.plans:
             doc["written"] = args.write
+            doc["kept_previous"] = kept_previous
         if args.emit == "hf" and result.plans:
             doc["hf_code"] = hf_code(chosen, req, args.model, hf_id, args.data)
         json.dump(doc, sys.stdout, indent=2)
@@ -221,6 +224,8 @@ def run(args) -> int:
     print(format_result(result, elapsed, notes))
     if args.write:
         print(f"\nwrote {args.write}: run it with `fitune train {args.write}`" + _write_caveats(args))
+        if kept_previous:
+            print(f"kept the earlier {args.write}, which differed, as {kept_previous}")
     return 0
 
 
