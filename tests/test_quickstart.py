@@ -11,7 +11,7 @@ pytest.importorskip("peft")
 
 
 @pytest.mark.slow
-def test_quickstart_writes_a_config_that_trains_on_the_cpu(tmp_path, monkeypatch):
+def test_quickstart_writes_a_config_that_trains_on_the_cpu(tmp_path, monkeypatch, capfd):
     from fitune.cli.main import main
     from fitune.train.quickstart import main as quickstart
 
@@ -22,6 +22,7 @@ def test_quickstart_writes_a_config_that_trains_on_the_cpu(tmp_path, monkeypatch
     html = tmp_path / "run.html"
     assert main(["train", str(folder / "run.yaml"), "--max-steps", "30", "--no-progress",
                  "--report-to", "tensorboard", "--html", str(html)]) == 0
+    assert "Loading weights" not in capfd.readouterr().err  # --no-progress: transformers' bar is off too
     assert html.exists() and "<svg" in html.read_text()
     assert list((folder / "run" / "tensorboard").iterdir())  # the same scalars in TensorBoard's event files
     lines = [json.loads(x) for x in open(folder / "run" / "metrics.jsonl")]

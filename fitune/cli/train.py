@@ -98,6 +98,8 @@ def run(args) -> int:
         return code
     from ..train.loop import train
 
+    if args.no_progress:
+        _quiet_library_progress_bars()
     rank0 = os.environ.get("RANK", "0") == "0"  # one of several ranks (fitune/parallel/launch.py): rank 0 reports
     if rank0:
         logging.getLogger("fitune").setLevel(logging.INFO)
@@ -107,6 +109,19 @@ def run(args) -> int:
     print_result(result)
     maybe_write_html(args, "train", result.output_dir)
     return 0
+
+
+def _quiet_library_progress_bars() -> None:
+    """--no-progress means no bar at all: transformers draws its own while loading weights ("Loading weights"),
+    datasets while mapping."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        import datasets
+    except ImportError:
+        return
+    datasets.disable_progress_bars()
 
 
 def print_result(result) -> None:
