@@ -199,3 +199,32 @@ def test_script_check_imports_no_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+@pytest.mark.slow
+def test_trainer_without_labels_fails_as_the_rule_says_and_its_fix_trains(tmp_path):
+    """What `trainer-without-labels` claims, run with transformers on the CPU (tiny Llama): the Trainer on tokenized
+    text with a padding collator raises "no loss" at the first step (with its default collator it fails even
+    earlier, stacking examples of different lengths); with the rule's fix (DataCollatorForLanguageModeling) the same
+    step trains."""
+    pytest.importorskip("torch")
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling,
+                              DataCollatorWithPadding, Trainer, TrainingArguments)
+
+    from tests.tiny import make_model_folder
+
+    folder = make_model_folder(str(tmp_path / "m"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    ds = [dict(tok(text, truncation=True, max_length=32)) for text in ["the cat sat on the mat", "what is the sky"] * 4]
+
+    def trainer(**kw):
+        args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=1, per_device_train_batch_size=2,
+                                 report_to=[], use_cpu=True, save_strategy="no")
+        return Trainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args, train_dataset=ds, **kw)
+
+    with pytest.raises(ValueError, match="did not return a loss from the inputs"):
+        trainer(data_collator=DataCollatorWithPadding(tok)).train()
+    with pytest.raises(ValueError):  # the default collator cannot even stack examples of different lengths
+        trainer().train()
+    out = trainer(data_collator=DataCollatorForLanguageModeling(tok, mlm=False)).train()
+    assert out.global_step == 1 and out.training_loss > 0

@@ -219,4 +219,59 @@ def _tokenizer_family(ix: ScriptIndex) -> str | None:
     return model_catalog()[name]["config"].get("model_type")
 
 
-RULES = (*RULES, missing_pad_token)
+LABEL_MAKING_COLLATORS_NOT = ("DataCollatorWithPadding", "default_data_collator", "DefaultDataCollator")
+"""Collators that pad or stack what the examples hold and add no `labels` (transformers/data/data_collator.py)."""
+
+
+@rule("trainer-without-labels", ERROR, "transformers Trainer on examples that never get labels")
+def trainer_without_labels(ix: ScriptIndex) -> Iterator[Hit]:
+    """The script tokenizes its own text and hands it to transformers' `Trainer` (not a subclass, which may compute
+    its own loss), with no collator that makes labels and no `labels` anywhere in the script: the model then returns
+    no loss and the Trainer raises at the first step."""
+    if not tokenizer_calls(ix) or ix.calls_named("load_from_disk"):
+        return  # the examples come from elsewhere, already tokenized: they may carry labels
+    trainers = [c for c in ix.calls if c.tail == "Trainer" and c.receiver in ("", "transformers")]
+    for c in trainers:
+        if c.open_kwargs or c.has_kw("compute_loss_func") or len(c.node.args) > 2:
+            continue
+        collator = c.kw("data_collator")
+        if collator is not None:
+            made_by = collator.func if isinstance(collator, ast.Call) else collator
+            if ix.dotted(made_by).rsplit(".", 1)[-1] not in LABEL_MAKING_COLLATORS_NOT:
+                continue  # DataCollatorForLanguageModeling makes labels; a collator of the script's own may too
+        if _mentions_labels(ix.tree):
+            return
+        yield Hit(
+            c.line,
+            f"`{call_text(c)}` trains on examples that never get labels: the tokenizer gives input_ids and "
+            "attention_mask, the collator "
+            + ("given adds none" if collator is not None else "the Trainer picks when none is given adds none")
+            + ", so the first step fails: the model returns no loss and the Trainer raises `ValueError: The model "
+            "did not return a loss from the inputs` (with the default collator, examples of different lengths fail "
+            "even earlier, when it stacks them).",
+            "data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False) (labels are a copy of input_ids, "
+            "padding set to -100), or add labels in your tokenize function (a copy of input_ids with the prompt's "
+            "positions set to -100 to train on answers only)",
+            "source: transformers/trainer.py compute_loss raises 'The model did not return a loss from the inputs' "
+            "when a batch has no labels; DataCollatorWithPadding and default_data_collator pass through the keys the "
+            "examples have (transformers/data/data_collator.py)",
+        )
+        return
+
+
+def _mentions_labels(tree: ast.AST) -> bool:
+    """Whether the script touches labels anywhere: a "labels" / "label" key, a `labels=` keyword, a name or attribute
+    with `label` in it. Any of these and the rule stays silent (it cannot follow data through the script)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ("labels", "label"):
+            return True
+        if isinstance(node, ast.keyword) and node.arg and "label" in node.arg:
+            return True
+        if isinstance(node, ast.Name) and "label" in node.id.lower():
+            return True
+        if isinstance(node, ast.Attribute) and "label" in node.attr.lower():
+            return True
+    return False
+
+
+RULES = (*RULES, missing_pad_token, trainer_without_labels)
