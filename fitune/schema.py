@@ -289,6 +289,10 @@ def _names(k: Key, value: Any, name: str, problems: Problems, targets: bool) -> 
         if "all-linear" in items:
             return ("all-linear",)
     elif k.choices:
+        if [x.lower() for x in items] == ["none"]:  # HF's report_to="none"
+            return ()
+        if [x.lower() for x in items] == ["all"]:  # HF's report_to="all": every one fitune has
+            return tuple(k.choices)
         bad = [x for x in items if x.lower() not in k.choices]
         if bad:
             problems.add(f"{name} {', '.join(bad)}: not one of {', '.join(k.choices)}")

@@ -15,6 +15,8 @@ step (smaller micro-batches with more accumulation, then checkpointing) and retr
 
 The config is YAML (see the README, "fitune train"); flags override its keys:
   fitune train run.yaml --max-steps 200 --set lora.rank=16 --set data.eval_path=eval.jsonl
+Another trainer's config (Axolotl, HF Trainer / TRL, torchtune) becomes a fitune config with:
+  fitune train axolotl.yml --translate > run.yaml
 
 Outputs in output_dir: metrics.jsonl (one line per step), checkpoints/step-N/ (resumable), adapter/ (a PEFT
 folder: PeftModel.from_pretrained(base, path)), merged/ with --merge. One run per output_dir: a used one is
@@ -44,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key (dotted for nested: lora.rank=16, data.path=x.jsonl); values are YAML")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics.jsonl is still written)")
+    p.add_argument("--translate", action="store_true",
+                   help="CONFIG is another trainer's (Axolotl, HF Trainer / TRL, PEFT, torchtune): print it as a fitune "
+                        "config, with what could not be carried over as comments, and exit (> run.yaml to keep it)")
     from ..config import ALL_KEYS, TrainConfig, flat_values
     from ..schema import add_arguments
 
@@ -79,7 +84,20 @@ def run(args) -> int:
 
         check_output_file(args.html, "--html", make_parents=True)
     doc = load_config_file(args.config)
-    cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
+    if args.translate:
+        from ..translate import translated_yaml
+
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{args.config}: expected a mapping of keys to translate")
+        print(translated_yaml(doc, args.config), end="")
+        return 0
+    try:
+        cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
+    except ConfigError as exc:
+        if "is how other trainers spell it" not in str(exc):
+            raise
+        raise ConfigError(f"{exc}\n  this looks like another trainer's config: `fitune train {args.config} --translate "
+                          "> run.yaml` writes it with fitune's names (and says what it could not carry over)") from None
     from ..config import preflight_problems
 
     if preflight_problems(cfg):
