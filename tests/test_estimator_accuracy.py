@@ -167,17 +167,17 @@ def test_readme_accuracy_table_by_method_and_optimizer_matches():
 
 def test_out_of_sample_runs_hold_the_estimate():
     """82 runs of fitune's runner on four models (bench/speed_calibration.py: every technique, uncapped) and the
-    ranking check's `fitune train` runs under a 24 GB cap and the context probes at 8-24 GB, measured after the estimator was last changed: a test of
+    ranking check's `fitune train` runs under a 24 GB cap and the context probes at 8-48 GB, measured after the estimator was last changed: a test of
     its predictions, not a fit. The README states how many are within the goal (2 % allocated, 5 % reserved) and
     names the misses; this holds those numbers, and the misses within 4 % / 7 %."""
     from fitune.profile.accuracy import measured_rows
 
     rows = [r for r in measured_rows(ROOT) if r.sample == "out"]
-    assert len(rows) == 96
+    assert len(rows) == 97
     allocated_misses = [r.label for r in rows if abs(r.allocated_error_pct) > 2.0]
     reserved_misses = [r.label for r in rows if abs(r.reserved_error_pct) > 5.0]
     assert allocated_misses == ["llama-3.1-8b qlora all-linear r32 1x32768 ckpt=full sdpa stack fitune chunked liger"]
     assert len(reserved_misses) == 5
     assert all(abs(r.allocated_error_pct) <= 4.0 and abs(r.reserved_error_pct) <= 7.0 for r in rows)
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert "95 of the 96" in readme and "91 of the 96" in readme
+    assert "96 of the 97" in readme and "92 of the 97" in readme

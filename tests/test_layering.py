@@ -155,6 +155,8 @@ ALLOWED = {
     # one decoder layer's forward and backward under saved_tensors_hooks: a measurement of what autograd saves,
     # not a training step
     ("bench/compile_saved.py", "saved_by_layer"),
+    # the loss op alone (lm_head + cross-entropy) forward and backward, per kernel: a microbenchmark, not a step
+    ("bench/loss_kernels.py", "measure"),
 }
 
 

@@ -14,7 +14,10 @@ request, so a new segment is reserved next to it. The rules below follow c10/cud
 - among equal free blocks the lowest address wins, and the driver hands later segments lower addresses (both seen
   in the measured traces), so a newer segment is reused first;
 - freed blocks merge with free neighbours of the same segment; segments are never returned to the driver
-  unless an allocation fails (not modelled: the estimate reports the demand, `fits` compares it with the budget).
+  unless an allocation fails (not modelled: the estimate reports the demand, `fits` compares it with the budget);
+- a segment belongs to the stream that cudaMalloc'd it: a request is served only from blocks cached for its own
+  stream (`BlockPool` lookups key on the stream; `get_free_block`), so a tensor allocated on a side stream (DeepSpeed's
+  reduction stream) cannot reuse what the default stream left cached.
 
 Checked: fed the measured allocation traces of 8 H200 runs (bench/results/hf_recipe/**/snap_*.json.gz), it
 reproduces their `max_memory_reserved()` within 0.5 % (tests/test_allocator_replay.py).
@@ -55,10 +58,11 @@ def segment_size(block: int) -> int:
 class _Block:
     """A block of a segment; blocks of one segment form a doubly linked list by address."""
 
-    __slots__ = ("offset", "size", "free", "small", "prev", "next")
+    __slots__ = ("offset", "size", "free", "small", "prev", "next", "stream")
 
-    def __init__(self, offset: int, size: int, free: bool, small: bool, prev=None, next=None):
+    def __init__(self, offset: int, size: int, free: bool, small: bool, prev=None, next=None, stream: int = 0):
         self.offset, self.size, self.free, self.small, self.prev, self.next = offset, size, free, small, prev, next
+        self.stream = stream
 
 
 class CachingAllocatorModel:
@@ -69,24 +73,25 @@ class CachingAllocatorModel:
         self.allocated = 0
         self.peak_reserved = 0
         self.peak_allocated = 0
-        # per pool (small?): a sorted list of (size, offset) of free blocks; offsets are unique over segments
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        # per pool (small?, stream): a sorted list of (size, offset) of free blocks; offsets are unique over segments
+        self._free: dict[tuple[bool, int], list[tuple[int, int]]] = {(True, 0): [], (False, 0): []}
         self._by_offset: dict[int, _Block] = {}
         self._live: dict[int, _Block] = {}
         self._next_offset = 1 << 60
 
-    def malloc(self, key: int, nbytes: int) -> None:
+    def malloc(self, key: int, nbytes: int, stream: int = 0) -> None:
         size = nbytes if nbytes % MIN_BLOCK == 0 and nbytes else (nbytes // MIN_BLOCK + 1) * MIN_BLOCK
         small = size <= SMALL_SIZE
-        pool = self._free[small]
+        pool = self._free.setdefault((small, stream), [])
         i = bisect.bisect_left(pool, (size, -1))
         if i < len(pool):
             block = self._by_offset.pop(pool.pop(i)[1])
         else:
             block = self._new_block(size, small)
+            block.stream = stream
         remaining = block.size - size
         if remaining > (MIN_BLOCK if small else SMALL_SIZE):
-            rest = _Block(block.offset + size, remaining, True, small, block, block.next)
+            rest = _Block(block.offset + size, remaining, True, small, block, block.next, block.stream)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
@@ -114,7 +119,7 @@ class CachingAllocatorModel:
             self.peak_reserved = self.reserved
 
     def _unpool(self, b: _Block) -> None:
-        pool = self._free[b.small]
+        pool = self._free[(b.small, b.stream)]
         del pool[bisect.bisect_left(pool, (b.size, b.offset))]
         del self._by_offset[b.offset]
 
@@ -140,11 +145,22 @@ class CachingAllocatorModel:
                 block.next.prev = prv
             block = prv
         self._by_offset[block.offset] = block
-        bisect.insort(self._free[block.small], (block.size, block.offset))
+        bisect.insort(self._free[(block.small, block.stream)], (block.size, block.offset))
         self._merged(block)
 
     def _merged(self, block: _Block) -> None:
         """Hook: `block` is free after merging with its free neighbours."""
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()`: every cached segment with no live block goes back to the driver
+        (CUDACachingAllocator.cpp `release_cached_blocks`: only whole free segments are released); a segment
+        with one live block keeps all its free blocks."""
+        for pool in self._free.values():
+            for _size, offset in list(pool):
+                b = self._by_offset[offset]
+                if b.prev is None and b.next is None:
+                    self._unpool(b)
+                    self.reserved -= b.size
 
 
 class ExpandableAllocatorModel(CachingAllocatorModel):
@@ -178,7 +194,8 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
         self._grow(nbytes)
         return block
 
-    def malloc(self, key: int, nbytes: int) -> None:
+    def malloc(self, key: int, nbytes: int, stream: int = 0) -> None:
+        """Streams are not told apart here (one range per pool): a simplification, no measured case needs it."""
         super().malloc(key, nbytes)
         small = round_size(nbytes) <= SMALL_SIZE
         tail = self._tail[small]
@@ -189,9 +206,22 @@ class ExpandableAllocatorModel(CachingAllocatorModel):
         if block.next is None:  # the freed (and merged) block ends the segment
             self._tail[block.small] = block
 
+    def empty_cache(self) -> None:
+        """Unmaps a range that holds no live block (partly free ranges keep their pages: not modelled)."""
+        super().empty_cache()
+        for small, tail in self._tail.items():
+            if tail is not None and tail.offset not in self._by_offset and tail.free:
+                self._tail[small] = None
+
+
+#: In `setup_events`: `torch.cuda.empty_cache()` at that point.
+EMPTY_CACHE = (0, 0)
+
 
 def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 2,
-                    expandable: bool = False, first_step_state: list[int] | None = None) -> tuple[int, int]:
+                    expandable: bool = False, first_step_state: list[int] | None = None,
+                    setup_events: list[tuple[int, int]] | None = None,
+                    first_step_state_at: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """Peak (reserved, allocated) bytes over `steps` repetitions of one step's tape.
 
     Two steps reach the steady state: the second starts with the blocks the first left cached (the same
@@ -202,27 +232,58 @@ def replay_reserved(resident: list[int], step_events: list[Event], steps: int = 
     optimizer step (torch's AdamW `_init_group`, bitsandbytes' `init_state`), one request each, when the first
     step's optimizer phase begins, and kept: they land in the blocks the backward left cached, which is what the
     next step's activations then find fragmented (measured traces: bench/results/issue12/snaps/).
+
+    `setup_events`: what a framework allocates and frees between loading and the first step, after `resident`:
+    (key, bytes) allocates, (key, -bytes) frees that key, `EMPTY_CACHE` empties the cache (DeepSpeed's
+    initialisation: parallel.py `zero_setup_allocations`). Keys must be negative, below -2**40.
+    `first_step_state_at`: (index into `step_events`, bytes): state created lazily by the first step just before
+    that event, one request each, and kept (ZeRO-3's optimizer state, one sub-group after the other).
     """
     model = ExpandableAllocatorModel() if expandable else CachingAllocatorModel()
     for i, nbytes in enumerate(resident):
         model.malloc(-1 - i, nbytes)
-    events = [(ev.tid, ev.nbytes) for ev in step_events if not ev.retag]
+    for key, nbytes in setup_events or ():
+        if (key, nbytes) == EMPTY_CACHE:
+            model.empty_cache()
+        elif nbytes > 0:
+            model.malloc(key, nbytes)
+        else:
+            model.release(key)
+    by_index: dict[int, list[int]] = {}
+    for at, nbytes in first_step_state_at or ():
+        by_index.setdefault(at, []).append(nbytes)
+    late_state: dict[int, list[int]] = {}  # the same, indexed over the non-retag events replayed below
+    kept = 0
+    for i, ev in enumerate(step_events):
+        if i in by_index:
+            late_state.setdefault(kept, []).extend(by_index[i])
+        kept += not ev.retag
+    for at, sizes in by_index.items():
+        if at >= len(step_events):
+            late_state.setdefault(kept, []).extend(sizes)
+    events = [(ev.tid, ev.nbytes, ev.stream) for ev in step_events if not ev.retag]
     state_at = next((i for i, ev in enumerate(e for e in step_events if not e.retag) if ev.phase == "optimizer"),
                     len(events))
     malloc, release = model.malloc, model.release
     for step in range(steps):
         offset = step * 10_000_000
-        for i, (tid, nbytes) in enumerate(events):
+        for i, (tid, nbytes, stream) in enumerate(events):
             if step == 0 and i == state_at and first_step_state:
                 for j, n in enumerate(first_step_state):
                     malloc(-10_000_000 - j, n)
+            if step == 0 and i in late_state:
+                for j, n in enumerate(late_state[i]):
+                    malloc(-20_000_000 - 1000 * i - j, n)
             if nbytes > 0:
-                malloc(offset + tid, nbytes)
+                malloc(offset + tid, nbytes, stream)
             else:
                 release(offset + tid)
         if step == 0 and state_at >= len(events) and first_step_state:
             for j, n in enumerate(first_step_state):
                 malloc(-10_000_000 - j, n)
+        if step == 0:  # state placed after the step's last event
+            for j, n in enumerate(late_state.get(len(events), ())):
+                malloc(-20_000_000 - 1000 * len(events) - j, n)
         # tensors still live at the end of the step (none, once the step frees what it made) carry over
     return model.peak_reserved, model.peak_allocated
 

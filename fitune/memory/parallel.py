@@ -23,10 +23,14 @@ Categories added to the breakdown: `gathered_weights` (parameters all-gathered f
 (DDP buckets, reduce-scatter inputs, ZeRO's buckets).
 
 ZeRO-3 keeps the last layers gathered across the forward/backward turn, up to `stage3_max_live_parameters`
-(`zero3_live_after_forward_bytes`, measured with offload on one GPU). Not modelled: FSDP's per-parameter padding to
-a multiple of N (under N elements per tensor); ZeRO-3's small persistent parameters (`stage3_param_persistence_threshold`: the
-norms, kilobytes); the all-gather input copies (1/N of a layer). None of the multi-GPU numbers has been measured
-yet: the CLI and the planner mark them unvalidated.
+(`zero3_live_after_forward_bytes`, measured with offload on one GPU). For the reserved peak, DeepSpeed's initialisation
+is replayed request by request (`zero_setup_allocations`: flat buffers, fp32 master partitions, the freed
+per-parameter tensors and temporaries it leaves cached), and the allocations DeepSpeed makes on its side streams are
+marked so (`zero_reduction_stream`, `zero3_fetch_stream`): the caching allocator keeps one cache per stream.
+
+Not modelled: FSDP's per-parameter padding to a multiple of N (under N elements per tensor); ZeRO-3's small
+persistent parameters (`stage3_param_persistence_threshold`: the norms, kilobytes); the all-gather input copies (1/N
+of a layer). None of the multi-GPU numbers has been measured yet: the CLI and the planner mark them unvalidated.
 
 Pure Python; no torch import.
 """
@@ -39,7 +43,8 @@ from ..setup import TrainSetup
 from ..specs.model import ModelSpec
 from ..units import MiB
 from . import weights
-from .optimizer import optimizer_state_bytes, optimizer_step_transient_bytes
+from .allocator import EMPTY_CACHE
+from .optimizer import optimizer_state_bytes, optimizer_step_transient_bytes, state_tensor_bytes
 from .tape import ADAPTERS, GRADIENTS, OPTIMIZER, TRANSIENTS, WEIGHTS, Tape
 
 GATHERED = "gathered_weights"
@@ -168,15 +173,107 @@ def zero_reduce_bucket_bytes(strategy: str, grad_bytes_per_element: int) -> int:
     return buffers * ZERO_REDUCE_BUCKET_ELEMENTS * grad_bytes_per_element
 
 
-def zero3_sub_group_elements(tensor_numels: list[int], num_gpus: int) -> int:
-    """The largest of ZeRO-3's optimizer sub-groups, in elements of one rank's partition: parameters are taken in
-    order and a sub-group closes once it holds at least `sub_group_size` (stage3.py `_create_fp16_sub_groups`)."""
-    largest = current = 0
+#: The stream id the allocator model gives DeepSpeed's reduction stream (allocator.py: 0 is the default stream).
+REDUCTION_STREAM = 1
+
+
+def zero_reduction_stream(strategy: str) -> int:
+    """The stream ZeRO-2's gradient reduction allocates on: with `overlap_comm` a side stream of its own
+    (stage_1_and_2.py `reduce_ipg_grads`: `stream = self.reduction_stream` if `self.overlap_comm`, then
+    `with get_accelerator().stream(stream): ... self.copy_grads_in_partition(param)`), so the flat 16-bit gradient
+    partition it creates there cannot reuse the blocks the default stream left cached (allocator.py). Measured: the
+    Llama-3.2-1B full fine-tune under zero2 reserves 32.24 GiB in its first step, one 2.30 GiB partition more than
+    the same requests on one stream (bench/results/zero/history2/full1b-zero2.memory.json)."""
+    return REDUCTION_STREAM if ZERO_OVERLAP_COMM.get(strategy) else 0
+
+
+#: The stream id the allocator model gives ZeRO-3's parameter all-gather stream.
+ALLGATHER_STREAM = 2
+
+
+def zero3_fetch_stream(strategy: str) -> int:
+    """The stream ZeRO-3 gathers (or, with offload, fetches from the host) parameters on: its own
+    (partitioned_param_coordinator.py `__all_gather_params`: `with get_accelerator().stream(self.__allgather_stream):
+    ... all_gather_coalesced(...)`, whose buffers `torch.empty` there), so the gathered parameters come from blocks
+    cached for that stream only (allocator.py). Measured: Llama-3.1-8B LoRA, zero3_offload built under zero.Init,
+    reserved 12.49 GiB; the estimate 11.86 GiB with the gathers on the default stream, 12.26 GiB on their own
+    (bench/results/zero/zero_init/)."""
+    return ALLGATHER_STREAM if strategy in ("zero3", "zero3_offload") else 0
+
+
+def zero3_sub_groups(tensor_numels: list[int], num_gpus: int) -> list[int]:
+    """ZeRO-3's optimizer sub-groups in order, in elements of one rank's partition: parameters are taken in order
+    and a sub-group closes once it holds at least `sub_group_size` (stage3.py `_create_fp16_sub_groups`).
+    Llama-3.2-1B: 1,003,012,096 and 232,802,304 elements (measured: the fp32 blocks of 4,012,048,384 and
+    931,209,216 bytes live at the peak, bench/results/zero/history2/full1b-zero3.memory.json)."""
+    groups, current = [], 0
     for n in tensor_numels:
         current += sharded(n, num_gpus)
         if current >= ZERO3_SUB_GROUP_ELEMENTS:
-            largest, current = max(largest, current), 0
-    return max(largest, current)
+            groups.append(current)
+            current = 0
+    return groups + [current] if current or not groups else groups
+
+
+def zero3_sub_group_elements(tensor_numels: list[int], num_gpus: int) -> int:
+    """The largest of ZeRO-3's optimizer sub-groups (`zero3_sub_groups`)."""
+    return max(zero3_sub_groups(tensor_numels, num_gpus))
+
+
+#: Keys of `zero_setup_allocations`' requests (allocator.py `replay_reserved`: below -2**40).
+ZERO_SETUP_KEY = -(1 << 41)
+
+
+def zero_setup_allocations(strategy: str, param_blocks: list[int], trainable: list[bool], param_bytes_per_element: int,
+                           partition_elements: int, sub_groups: list[int], reduce_bucket_bytes: int
+                           ) -> list[tuple[int, int]]:
+    """DeepSpeed's allocations and frees from the loaded model to the first step, request by request, for the
+    caching allocator model (allocator.py `replay_reserved`: (key, bytes) allocates, (key, -bytes) frees,
+    `EMPTY_CACHE` empties the cache). What stays is the flat 16-bit buffer, the fp32 master partition(s) and, for
+    ZeRO-3, its gradient partitions and reduce bucket; what the allocator keeps cached from the rest (the freed
+    per-parameter tensors, temporary copies) is what the first step's large blocks then reuse or cannot.
+
+    `param_blocks`: the parameters as loaded (one request each, in loading order; ZeRO-3: partitioned at
+    construction by zero.Init); `trainable`: which ones the optimizer owns (DeepSpeed flattens only those).
+
+    zero2 (deepspeed/runtime/zero/stage_1_and_2.py `DeepSpeedZeroOptimizer.__init__`, DeepSpeed 0.19):
+    `empty_cache()`; the trainable parameters flattened into one buffer (`flatten_dense_tensors_aligned`) and
+    freed (`_update_model_bit16_weights` points them into it); the fp32 master partition as
+    `partition.clone().to(fp32)` (a 16-bit copy, freed); `initialize_optimizer_states` makes a zero fp32 gradient
+    of the partition and drops it.
+    zero3 (stage3.py `DeepSpeedZeroOptimizer_Stage3.__init__`): `defragment` copies the trainable partitions to the
+    host, frees them, empties the cache and copies them back as one flat buffer; `_create_fp32_partitions` makes per
+    sub-group `converted = flat.to(fp32)` (the previous sub-group's `converted` freed as the name is rebound, after
+    the new one exists) and the master `converted.clone()`; `initialize_optimizer_states` a zero fp32
+    gradient of the largest sub-group, dropped; then the reduce bucket and `grad_partitions_flat_buffer`, kept.
+
+    Measured (bench/results/zero/history2/*.memory.json, the `deepspeed.initialize` phase's peak reserved):
+    Llama-3.2-1B full, zero2 16.121 GiB, zero3 14.389 GiB; this sequence through the allocator model: 16.121 and
+    14.387 GiB.
+    """
+    lp = param_bytes_per_element
+    events = [(ZERO_SETUP_KEY - i, b) for i, b in enumerate(param_blocks)]
+    flat_bytes = sum(b for b, t in zip(param_blocks, trainable) if t)
+    frees = [(ZERO_SETUP_KEY - i, -b) for i, (b, t) in enumerate(zip(param_blocks, trainable)) if t]
+    key = ZERO_SETUP_KEY - len(param_blocks)
+    if strategy == "zero2":
+        n = partition_elements
+        return events + [EMPTY_CACHE, (key, flat_bytes)] + frees + [
+            (key - 1, lp * n), (key - 2, 4 * n), (key - 1, -lp * n),  # clone, fp32 master, the clone freed
+            (key - 3, 4 * n), (key - 3, -4 * n)]  # initialize_optimizer_states' zero gradient
+    events += frees + [EMPTY_CACHE, (key, flat_bytes)]
+    prev: list[tuple[int, int]] = []
+    for j, sub in enumerate(sub_groups):
+        converted = key - 1 - 2 * j
+        # `converted = ....to(fp32)` (the previous one freed as the name is rebound), the master `converted.clone()`
+        events += [(converted, 4 * sub)] + prev + [(converted - 1, 4 * sub)]
+        prev = [(converted, -4 * sub)]
+    events += prev
+    largest = key - 1 - 2 * len(sub_groups)
+    events += [(largest, 4 * max(sub_groups)), (largest, -4 * max(sub_groups))]
+    if reduce_bucket_bytes:
+        events.append((largest - 1, reduce_bucket_bytes))
+    return events + [(largest - 2, lp * sum(sub_groups))]
 
 
 def zero3_prefetch_bytes(next_layer_param_bytes: int, param_bytes_per_element: int) -> int:
@@ -260,6 +357,13 @@ class RankLayout:
     has its fp32 copy)."""
     sub_group_elements: int = 0
     """ZeRO-3: the largest optimizer sub-group (its fp32 gradient and the step's temporaries are per sub-group)."""
+    sub_groups: tuple[int, ...] = ()
+    """ZeRO-3: every optimizer sub-group in order, elements (`zero3_sub_groups`)."""
+    trainable_numels: tuple[int, ...] = ()
+    """The trainable tensors' sizes in order, elements, where known (full fine-tunes): ZeRO's gradient norm takes
+    a float64 copy of each."""
+    lp_bytes: int = 2
+    """ZeRO: bytes per element of the 16-bit parameters and gradients DeepSpeed keeps."""
 
     """Resident allocations beyond the model's own tensors (DDP buckets, ZeRO's flat partitions), one per request."""
 
@@ -343,6 +447,9 @@ class RankLayout:
             grad_partition_bytes=sharded(trainable_params, n) * grad_elem if s == "zero2" else 0,
             sub_group_elements=zero3_sub_group_elements(trainable_numels or [trainable_params], n)
             if s == "zero3" else 0,
+            sub_groups=tuple(zero3_sub_groups(trainable_numels or [trainable_params], n)) if s == "zero3" else (),
+            trainable_numels=tuple(trainable_numels or ()),
+            lp_bytes=2 if setup.dtype in ("bf16", "fp16") else 4,
         )
 
 
@@ -367,11 +474,15 @@ class RankStep:
         self._gathered: dict[int, int] = {}  # layer -> tensor id of its gathered parameters
         self._root: int | None = None
         self._head: int | None = None
-        self._bucket: int | None = None
+        self._bucket: list[int] | None = None
         self._grad_partition: int | None = None
         self._rs_held: int | None = None  # FSDP2 keeps the last reduce-scatter input until the next one is issued
         self._sharded_grads: list[int] = []
         self._done: set[int] = set()  # parameter gradients already reduced (per-layer hooks)
+        self._fs = zero3_fetch_stream(layout.strategy)  # the stream gathered parameters are allocated on
+        self.state_points: list[tuple[int, int]] = []
+        """ZeRO: (tape index, bytes) of the optimizer state the first step creates just before that event
+        (allocator.py `replay_reserved`, `first_step_state_at`)."""
 
     # ---- forward ----
     def start_forward(self) -> None:
@@ -379,7 +490,7 @@ class RankStep:
         if lay.root_gather_bytes:
             self._root = self.tape.alloc(lay.root_gather_bytes, GATHERED, "fsdp root: embeddings, lm_head, norm")
         if lay.embed_gather_bytes:
-            self._root = self.tape.alloc(lay.embed_gather_bytes, GATHERED, "zero3: embedding gathered")
+            self._root = self.tape.alloc(lay.embed_gather_bytes, GATHERED, "zero3: embedding gathered", stream=self._fs)
 
     def after_embedding(self) -> None:
         if self.lay.embed_gather_bytes:
@@ -391,7 +502,8 @@ class RankStep:
             nbytes = self.lay.layer_gather_bytes
             if self.lay.prefetch_bytes and label == "prefetch":
                 nbytes = self.lay.prefetch_bytes  # ZeRO-3 prefetches a bucket, not the whole layer
-            self._gathered[layer] = self.tape.alloc(nbytes, GATHERED, f"layer {layer} parameters ({label})")
+            self._gathered[layer] = self.tape.alloc(nbytes, GATHERED, f"layer {layer} parameters ({label})",
+                                                    stream=self._fs)
 
     def _release(self, layer: int) -> None:
         self.tape.free(self._gathered.pop(layer, None))
@@ -436,12 +548,14 @@ class RankStep:
                 continue
             self._release(layer)
             if budget:
-                self._gathered[layer] = self.tape.alloc(budget, GATHERED, f"layer {layer} parameters (kept, part)")
+                self._gathered[layer] = self.tape.alloc(budget, GATHERED, f"layer {layer} parameters (kept, part)",
+                                                        stream=self._fs)
             budget = 0
 
     def before_head(self) -> None:
         if self.lay.head_gather_bytes:
-            self._head = self.tape.alloc(self.lay.head_gather_bytes, GATHERED, "zero3: lm_head and norm gathered")
+            self._head = self.tape.alloc(self.lay.head_gather_bytes, GATHERED, "zero3: lm_head and norm gathered",
+                                         stream=self._fs)
 
     # ---- backward ----
     def start_backward(self) -> None:
@@ -480,20 +594,40 @@ class RankStep:
             self._rs_held = rs
         else:
             if self.lay.reduce_bucket_bytes and self._bucket is None:  # ZeRO-2 `setup_buckets` at the first gradient
-                self._bucket = self.tape.alloc(self.lay.reduce_bucket_bytes, COMM, "zero reduce bucket")
+                # `buf_0`, and `buf_1` with overlap_comm: one request each
+                buffers = 2 if ZERO_OVERLAP_COMM.get(self.lay.strategy) else 1
+                self._bucket = [self.tape.alloc(self.lay.reduce_bucket_bytes // buffers, COMM, "zero reduce bucket")
+                                for _ in range(buffers)]
             if self.lay.grad_partition_bytes and self._grad_partition is None:
+                # made by the first bucket's reduction (stage_1_and_2.py `reduce_ipg_grads` ->
+                # `copy_grads_in_partition`: `self.grads_in_partition = torch.empty(...)`), which runs on the reduction
+                # stream with overlap_comm
                 self._grad_partition = self.tape.alloc(self.lay.grad_partition_bytes, GRADIENTS,
-                                                       "zero2 16-bit gradient partition")
+                                                       "zero2 16-bit gradient partition",
+                                                       stream=zero_reduction_stream(self.lay.strategy))
             self.tape.free(*live)  # ZeRO copies each gradient into its reduce bucket and drops it
 
     def end_backward(self) -> None:
         self._reduce(list(self.ag.param_grads), "root")
         for layer in list(self._gathered):
             self._release(layer)
-        self.tape.free(self._root, self._head, self._rs_held, self._bucket)
+        self.tape.free(self._root, self._head, self._rs_held, *(self._bucket or ()))
         self._root = self._head = self._rs_held = self._bucket = None
 
     # ---- optimizer ----
+    def _grad_norm_copies(self) -> None:
+        """ZeRO's gradient norm (`get_grad_norm_direct`, stage 2 and 3) takes a float64 copy of each gradient in
+        turn (`g.data.double()`), dropped once its norm is taken: 8 bytes per element of the largest tensor."""
+        for numel in self.lay.trainable_numels:
+            copy = self.tape.alloc(8 * sharded(numel, self.lay.num_gpus), TRANSIENTS, "gradient norm (float64)")
+            self.tape.free(copy)
+
+    def _state_created_here(self, elements: int) -> None:
+        """The optimizer's state over a flat fp32 partition of `elements`, created lazily by the first step
+        (torch's AdamW `_init_group`) just before its temporaries."""
+        at = len(self.tape.events)
+        self.state_points += [(at, b) for b in state_tensor_bytes(self.optimizer, (elements,), 4) if b]
+
     def optimizer_step(self) -> None:
         """The optimizer phase of one rank (the tape's phase is already OPTIMIZER_STEP)."""
         lay, tape, n = self.lay, self.tape, self.lay.num_gpus
@@ -506,23 +640,34 @@ class RankStep:
                              "optimizer step (sharded)")
             tape.free(tmp)
         elif lay.strategy == "zero2":
-            # the 16-bit gradient partition is converted to fp32 for the step and then dropped
-            # (stage_1_and_2.py `step`: `single_grad_partition` ... `.to(self.single_partition_of_fp32_groups[i].dtype)`,
-            # then `self.averaged_gradients[i] = None`); the optimizer runs on the flat fp32 partition and the updated
+            # the 16-bit gradient partition is flattened into a copy, converted to fp32 for the step and both dropped
+            # (stage_1_and_2.py `step`: `flat_grad_partition = self.flatten(self.averaged_gradients[i])`,
+            # `single_grad_partition = flat_grad_partition.to(...)`, `del flat_grad_partition`,
+            # `self.averaged_gradients[i] = None`); the optimizer runs on the flat fp32 partition and the updated
             # 16-bit parameters are all-gathered into the flat parameter buffer in place
-            fp32_grads = tape.alloc(4 * sharded(lay.trainable_params, n), TRANSIENTS, "zero fp32 gradient partition")
-            tape.free(self._grad_partition)
+            part = sharded(lay.trainable_params, n)
+            self._grad_norm_copies()
+            flat = tape.alloc(lay.lp_bytes * part, TRANSIENTS, "zero2 flattened gradient partition (16-bit copy)")
+            fp32_grads = tape.alloc(4 * part, TRANSIENTS, "zero fp32 gradient partition")
+            tape.free(flat, self._grad_partition)
             self._grad_partition = None
-            tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sharded(lay.trainable_params, n)), TRANSIENTS,
+            self._state_created_here(part)
+            tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * part), TRANSIENTS,
                              "optimizer step (fp32 partition)")
             tape.free(tmp, fp32_grads)
         elif lay.strategy == "zero3":
-            # one optimizer sub-group at a time: its fp32 gradient, then the step on its fp32 partition
-            # (stage3.py `_prepare_fp32_grad_for_sub_group`, `_optimizer_step(sub_group_id)`)
-            sub = lay.sub_group_elements or sharded(lay.trainable_params, n)
-            fp32_grads = tape.alloc(4 * sub, TRANSIENTS, "zero3 fp32 gradient (one sub-group)")
-            tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sub), TRANSIENTS, "optimizer step (sub-group)")
-            tape.free(tmp, fp32_grads)
+            # one optimizer sub-group after the other: its gradients flattened (a 16-bit copy) and converted to
+            # fp32, the copy dropped, then the step on its fp32 partition (stage3.py `_prepare_fp32_grad_for_sub_group`:
+            # `self.flatten(self.averaged_gradients[sub_group_id]).to(fp32)`; `_optimizer_step(sub_group_id)`;
+            # `_release_sub_group` drops the fp32 gradient); the first step creates each sub-group's state in turn
+            self._grad_norm_copies()
+            for sub in lay.sub_groups or (sharded(lay.trainable_params, n),):
+                flat = tape.alloc(lay.lp_bytes * sub, TRANSIENTS, "zero3 flattened gradient (one sub-group, 16-bit)")
+                fp32_grads = tape.alloc(4 * sub, TRANSIENTS, "zero3 fp32 gradient (one sub-group)")
+                tape.free(flat)
+                self._state_created_here(sub)
+                tmp = tape.alloc(optimizer_step_transient_bytes(opt, 4 * sub), TRANSIENTS, "optimizer step (sub-group)")
+                tape.free(tmp, fp32_grads)
         # zero3_offload: the CPU runs the step; nothing on the GPU
         tape.free(*self.ag.param_grads)  # zero_grad(set_to_none=True)
         tape.free(*self._sharded_grads)

@@ -37,6 +37,9 @@ class Event:
     phase: str
     label: str = ""
     retag: bool = False  # a change of category only: the allocator model ignores it
+    stream: int = 0
+    """The CUDA stream an allocation is made on (0: the default one): the caching allocator serves a request only
+    from blocks cached for its stream (allocator.py)."""
 
 
 @dataclass
@@ -48,13 +51,13 @@ class Tape:
     _sizes: dict[int, tuple[int, str, str]] = field(default_factory=dict)
     _next: int = 0
 
-    def alloc(self, nbytes: int, category: str, label: str = "") -> int:
+    def alloc(self, nbytes: int, category: str, label: str = "", stream: int = 0) -> int:
         tid = self._next
         self._next += 1
         nbytes = int(nbytes)
         self._sizes[tid] = (nbytes, category, label)
         if nbytes:
-            self.events.append(Event(tid, nbytes, category, self.phase, label))
+            self.events.append(Event(tid, nbytes, category, self.phase, label, stream=stream))
         return tid
 
     def free(self, *tids: int | None) -> None:

@@ -170,6 +170,7 @@ SOURCES = (
     ("bench/results/rank_check/rank_check.jsonl", "setup", "out"),
     ("bench/results/peers/context_per_card/call1/max_context.jsonl", "context", "out"),
     ("bench/results/peers/context_per_card/call2/max_context.jsonl", "context", "out"),
+    ("bench/results/peers/context_48gb/call1/max_context.jsonl", "context", "out"),
 )
 
 
