@@ -212,3 +212,12 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "mem.png"
     assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_report_of_one_process_has_no_several_gpu_rows(tmp_path, capsys):
+    """The measured-vs-estimated table of a single-process profile shows no gathered-weights / comm-buffer rows."""
+    path = _config(tmp_path)
+    assert main(["profile", path, "--device", "cpu", "--seq-len", "32", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "saved activations" in out and "peak allocated" in out
+    assert "gathered weights" not in out and "comm buffers" not in out

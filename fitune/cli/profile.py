@@ -182,6 +182,8 @@ def format_result(r) -> str:
         if key == "allocator_overhead":
             continue
         m, e = r.breakdown.get(key, 0), r.estimate_breakdown.get(key, 0)
+        if key in ("gathered_weights", "comm_buffers") and not (m or e):
+            continue  # several-GPU terms: nothing to show for one process
         lines.append(f"    {label:32s} {gib(m):>11s} {gib(e):>11s} {gib(m - e):>11s}")
     lines.append(f"    {'peak allocated':32s} {gib(r.peak_allocated_bytes):>11s} {gib(r.estimate_peak_allocated_bytes):>11s} "
                  f"{gib(r.peak_allocated_bytes - r.estimate_peak_allocated_bytes):>11s}")
