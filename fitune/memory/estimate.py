@@ -355,8 +355,8 @@ def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: l
         notes.append(f"per GPU: one rank of {s}; multi-GPU estimates are not validated against measurements yet")
     elif layout.strategy == "zero3_offload":
         notes.append(f"one GPU, {layout.strategy}: measured on one H200 (model built under zero.Init), this estimate "
-                     "was within 0.8 % of the peak allocated and 1.8 % (Llama-3.1-8B LoRA) and 18.6 % (Llama-3.2-1B "
-                     "full) under the peak reserved (bench/results/zero/zero_init/)")
+                     "was within 0.8 % of the peak allocated and within 1.8 % of the peak reserved (Llama-3.1-8B "
+                     "LoRA, Llama-3.2-1B full; bench/results/zero/zero_init/)")
     else:
         notes.append(f"one GPU, {layout.strategy}: measured on one H200 within 0.2 % of the peak allocated and 2.6 % "
                      "of the peak reserved (bench/results/zero/); on one GPU ZeRO divides nothing and adds its own "

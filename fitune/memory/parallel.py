@@ -26,7 +26,9 @@ ZeRO-3 keeps the last layers gathered across the forward/backward turn, up to `s
 (`zero3_live_after_forward_bytes`, measured with offload on one GPU). For the reserved peak, DeepSpeed's initialisation
 is replayed request by request (`zero_setup_allocations`: flat buffers, fp32 master partitions, the freed
 per-parameter tensors and temporaries it leaves cached), and the allocations DeepSpeed makes on its side streams are
-marked so (`zero_reduction_stream`, `zero3_fetch_stream`): the caching allocator keeps one cache per stream.
+marked so (`zero_reduction_stream`, `zero3_fetch_stream`): the caching allocator keeps one cache per stream. With
+offload, each gradient partition goes to the host through GPU copies on the reduction stream
+(`zero3_offload_grad_copies`).
 
 Not modelled: FSDP's per-parameter padding to a multiple of N (under N elements per tensor); ZeRO-3's small
 persistent parameters (`stage3_param_persistence_threshold`: the norms, kilobytes); the all-gather input copies (1/N
@@ -274,6 +276,33 @@ def zero_setup_allocations(strategy: str, param_blocks: list[int], trainable: li
     if reduce_bucket_bytes:
         events.append((largest - 1, reduce_bucket_bytes))
     return events + [(largest - 2, lp * sum(sub_groups))]
+
+
+#: `_constant_buffered_norm2`'s chunk (stage3.py: `buffer_size=250000000` elements).
+ZERO3_NORM_CHUNK_ELEMENTS = 250_000_000
+
+
+def zero3_offload_grad_copies(numel: int, lp_bytes: int) -> list[int]:
+    """The GPU temporaries ZeRO-3 with `offload_optimizer` makes for ONE parameter's gradient partition as it hands it
+    to the host, in order: a positive size allocates, the same size negative frees it (DeepSpeed 0.19,
+    deepspeed/runtime/zero/stage3.py `partition_grads`, l. 1886-1933: the partition is copied into the pinned host
+    `grad_partitions_flat_buffer`, then `grad_buffer = grad_buffer.to(grad_partition.device)` brings a 16-bit copy
+    back to the GPU; at the accumulation boundary `_offload_grad_partition_at_boundary`, l. 1393-1407, takes its norm
+    with `_constant_buffered_norm2`, l. 1842-1849, `part.data.double()` per chunk of at most 2.5e8 elements, and
+    copies it to the fp32 host gradient through `grad_buffer.to(dtype=fp32)`; the 16-bit copy goes when the next
+    parameter rebinds `grad_buffer`). All of it runs inside `__reduce_and_partition_ipg_grads`' `with
+    stream(self.reduce_and_partition_stream)` (l. 1591), DeepSpeed's own stream with overlap_comm
+    (`zero_reduction_stream`), so these blocks are cached for that stream alone. The tied embedding of Llama-3.2-1B
+    (2.6e8 elements) needs its 525 MB copy and a 2.0 GB float64 chunk there at once. Measured: Llama-3.2-1B full
+    fine-tune, zero3_offload built under zero.Init, reserved 12.83 GiB; the estimate 10.44 GiB without these copies,
+    12.95 GiB with them (bench/results/zero/zero_init/)."""
+    events = [lp_bytes * numel]
+    left = numel
+    while left > 0:
+        chunk = 8 * min(left, ZERO3_NORM_CHUNK_ELEMENTS)
+        events += [chunk, -chunk]
+        left -= ZERO3_NORM_CHUNK_ELEMENTS
+    return events + [4 * numel, -4 * numel, -lp_bytes * numel]
 
 
 def zero3_prefetch_bytes(next_layer_param_bytes: int, param_bytes_per_element: int) -> int:
@@ -605,7 +634,25 @@ class RankStep:
                 self._grad_partition = self.tape.alloc(self.lay.grad_partition_bytes, GRADIENTS,
                                                        "zero2 16-bit gradient partition",
                                                        stream=zero_reduction_stream(self.lay.strategy))
+            # the tape's gradients in the single-GPU dtype; ZeRO's are 16-bit, so count elements
+            elem = max(1, self.lay.trainable_bytes // max(1, self.lay.trainable_params))
+            numels = [sharded(self.tape.size(t) // elem, self.lay.num_gpus) for t in live]  # each rank's partition
             self.tape.free(*live)  # ZeRO copies each gradient into its reduce bucket and drops it
+            if self.lay.strategy == "zero3_offload" and self.lay.trainable_params:
+                self._offload_grads(numels)
+
+    def _offload_grads(self, numels: list[int]) -> None:
+        """ZeRO-3 with offload hands each gradient partition to the host through GPU copies on the reduction
+        stream (`zero3_offload_grad_copies`)."""
+        stream = zero_reduction_stream(self.lay.strategy)
+        for numel in numels:
+            held: dict[int, list[int]] = {}
+            for b in zero3_offload_grad_copies(numel, self.lay.lp_bytes):
+                if b > 0:
+                    held.setdefault(b, []).append(self.tape.alloc(b, TRANSIENTS, "zero3 offload gradient copy",
+                                                                  stream=stream))
+                else:
+                    self.tape.free(held[-b].pop())
 
     def end_backward(self) -> None:
         self._reduce(list(self.ag.param_grads), "root")
