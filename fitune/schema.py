@@ -124,6 +124,9 @@ FOREIGN_KEYS: dict[str, str] = {
     "max_steps_per_epoch": "max_steps", "torch_compile": "compile: layers (each decoder layer; fitune's runner)",
 }
 
+#: What an unknown-key problem says when the key is another trainer's name for one of fitune's.
+OTHER_TRAINERS_NAME = "is how other trainers spell it"
+
 #: Keys under `lora:` that PEFT / torchtune spell otherwise.
 FOREIGN_LORA_KEYS: dict[str, str] = {
     "r": "lora.rank", "lora_r": "lora.rank", "lora_rank": "lora.rank", "lora_alpha": "lora.alpha",
@@ -367,7 +370,7 @@ def _unknown_key(path: str, tree: dict, prefix: str) -> str:
     if foreign is None and prefix == "":
         foreign = FOREIGN_KEYS.get(name.lower())
     if foreign:
-        return f"{path}: not a fitune key; did you mean {foreign}? (`{name}` is how other trainers spell it)"
+        return f"{path}: not a fitune key; did you mean {foreign}? (`{name}` {OTHER_TRAINERS_NAME})"
     close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
     if close:
         return f"{path}: not a fitune key; did you mean {' or '.join(close)}?"

@@ -57,7 +57,9 @@ def _dataset_path(value: Any) -> tuple[str | None, list[str]]:
     if len(paths) > 1:
         notes.append(f"datasets: {len(paths)} data sets; fitune trains on one file: data.path is the first "
                      f"({paths[0]}); concatenate the others into it")
-    if isinstance(items[0], dict) and items[0].get("type"):
+    if not paths:
+        notes.append(f"datasets: {value!r}: no file path in it; set data.path")
+    if items and isinstance(items[0], dict) and items[0].get("type"):
         notes.append(f"datasets: type {items[0]['type']!r}: fitune reads the format from the rows (chat messages, "
                      "prompt/completion or text); set data.format to force one")
     return (paths[0] if paths else None), notes
@@ -180,13 +182,15 @@ def validate(doc: dict, source: str) -> list[str]:
     from .config import config_from_dict
     from .errors import ConfigError
 
+    placeholder = "<model>"
     probe = dict(doc)
-    probe.setdefault("model", "<model>")
+    probe.setdefault("model", placeholder)
     try:
         config_from_dict(probe, source)
     except ConfigError as exc:
         lines = str(exc).splitlines()
-        return [line.strip().removeprefix("- ") for line in (lines[1:] if len(lines) > 1 else lines)]
+        problems = [line.strip().removeprefix("- ") for line in (lines[1:] if len(lines) > 1 else lines)]
+        return [p for p in problems if placeholder not in p]  # the missing model is said once, by the caller
     return []
 
 

@@ -94,7 +94,9 @@ def run(args) -> int:
     try:
         cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
     except ConfigError as exc:
-        if "is how other trainers spell it" not in str(exc):
+        from ..schema import OTHER_TRAINERS_NAME
+
+        if OTHER_TRAINERS_NAME not in str(exc):
             raise
         raise ConfigError(f"{exc}\n  this looks like another trainer's config: `fitune train {args.config} --translate "
                           "> run.yaml` writes it with fitune's names (and says what it could not carry over)") from None
