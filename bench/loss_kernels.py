@@ -33,7 +33,11 @@ def implementations(device: str) -> dict:
     def plain(h, w, y):  # transformers' ForCausalLMLoss on pre-shifted labels: fp32 logits, then cross-entropy
         return torch.nn.functional.cross_entropy((h @ w.t()).float(), y, ignore_index=IGNORE_INDEX)
 
-    impls = {"chunked": chunked, "hf": plain}
+    def chunked_compiled(h, w, y):  # what `compile: layers` runs: each chunk's softmax gradient compiled
+        n = (y != IGNORE_INDEX).sum().float().clamp_min(1)
+        return _ChunkedLinearCrossEntropy.apply(h, w, y, n, 1024, None, True)
+
+    impls = {"chunked": chunked, "hf": plain, "chunked_compiled": chunked_compiled}
     if device == "cuda":
         try:
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -32,6 +32,29 @@ WORKLOADS = {
 }
 
 
+def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str) -> tuple[str, dict]:
+    """The user's path up to `fitune train`: `fitune plan WORKLOAD --write plan{pick}.yaml --pick N`, then the run's
+    own keys set in that file (random weights, a synthetic chat data set and word tokenizer made in `work`, the
+    steps, the card's cap). Returns the file's path and its content."""
+    os.makedirs(work, exist_ok=True)
+    plan_args = WORKLOADS[workload] + ["--top", "3"]
+    model = plan_args[0]
+    seq = int(plan_args[plan_args.index("--seq-len") + 1])
+    words = synthetic_words(4000)
+    tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
+    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=seq + 50)
+    path = os.path.join(work, f"plan{pick}.yaml")
+    subprocess.run([sys.executable, "-m", "fitune", "plan", *plan_args, "--write", path, "--pick", str(pick)],
+                   capture_output=True, text=True, check=True)
+    cfg = yaml.safe_load(open(path))
+    cfg.pop("epochs", None)
+    cfg.update({"model": model, "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
+                "max_steps": steps, "cap": cap, "output_dir": os.path.join(work, f"run{pick}")})
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path, cfg
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -42,27 +65,14 @@ def main() -> int:
     p.add_argument("--plans", type=int, default=3, help="train the first N of the top 3 plans")
     args = p.parse_args()
     work = os.path.join(args.out, "work", args.workload)
-    os.makedirs(work, exist_ok=True)
     plan_args = WORKLOADS[args.workload] + ["--top", "3"]
-    model = plan_args[0]
-    seq = int(plan_args[plan_args.index("--seq-len") + 1])
-    words = synthetic_words(4000)
-    tok = make_word_tokenizer(os.path.join(work, "tokenizer"), words)
-    data = write_chat_data(os.path.join(work, "train.jsonl"), 64, words, answer_words=seq + 50)
     fitune = [sys.executable, "-m", "fitune"]
     listing = subprocess.run(fitune + ["plan", *plan_args, "--json"], capture_output=True, text=True)
     plans = json.loads(listing.stdout)["plans"] if listing.stdout.strip() else []
     print("### plan:", [(p["rank"], round(p["tokens_per_s"])) for p in plans], listing.stderr[-500:], flush=True)
     for n, planned in enumerate(plans[:args.plans], 1):
-        path = os.path.join(work, f"plan{n}.yaml")
-        subprocess.run(fitune + ["plan", *plan_args, "--write", path, "--pick", str(n)], capture_output=True,
-                       text=True, check=True)
-        cfg = yaml.safe_load(open(path))
-        cfg.pop("epochs", None)
-        cfg.update({"model": model, "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
-                    "max_steps": args.steps, "cap": args.cap, "output_dir": os.path.join(work, f"run{n}")})
-        with open(path, "w") as f:
-            yaml.safe_dump(cfg, f)
+        path, cfg = write_plan_config(work, args.workload, n, args.steps, args.cap)
+        model = cfg["model"]
         try:
             proc = subprocess.run(fitune + ["train", path, "--no-progress"], capture_output=True, text=True,
                                   timeout=args.timeout)

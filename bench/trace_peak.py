@@ -54,6 +54,11 @@ def main() -> int:
     p.add_argument("--setup", required=True, help="TrainSetup fields as JSON")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--events-min-mib", type=float, default=0,
+                   help="also write every alloc / free of a block this large or larger, in order (size, action, "
+                        "address, the first frame): to see which of a layer's tensors are freed before the peak")
+    p.add_argument("--stacks", action="store_true",
+                   help="record Python stacks (not with checkpointing: see below); blocks then name their frames")
     args = p.parse_args()
 
     import torch
@@ -80,7 +85,8 @@ def main() -> int:
     torch.cuda.reset_peak_memory_stats()
     # no stacks: recording Python stacks breaks custom autograd Functions run under checkpoint recomputation
     # (torch 2.11: "SystemError: ... returned NULL without setting an exception"), so blocks are told apart by size
-    torch.cuda.memory._record_memory_history(max_entries=3_000_000, context=None)
+    torch.cuda.memory._record_memory_history(max_entries=3_000_000, context="alloc" if args.stacks else None,
+                                             stacks="python" if args.stacks else "all")
     for _ in range(args.steps):
         train_step(model, opt, micro, loss=setup.loss)
     torch.cuda.synchronize()
@@ -106,6 +112,16 @@ def main() -> int:
     from collections import Counter
 
     sizes = Counter(r["bytes"] for r in rows)
+    if args.events_min_mib:
+        live_total, rows_ev = 0, []
+        for e in trace:
+            a = e.get("action")
+            if a in ("alloc", "free_completed"):
+                live_total += e["size"] if a == "alloc" else -e["size"]
+                if e["size"] >= args.events_min_mib * 2**20:
+                    rows_ev.append([a, round(e["size"] / 2**20, 2), e["addr"] % 10**9, round(live_total / 2**20),
+                                    " | ".join(frames_of(e)[:3])])
+        out["events"] = rows_ev
     out["sizes_at_peak"] = sorted(([size, n] for size, n in sizes.items()), key=lambda x: -x[0] * x[1])[:40]
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

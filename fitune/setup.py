@@ -95,7 +95,8 @@ class TrainSetup:
                             "and RoPE; a CUDA GPU)")
     compile: str = key("none", kind="choice", choices=COMPILES, aliases=_COMPILE_ALIASES,
                        help="fitune's runner: layers (torch.compile each decoder layer: fused norms, RoPE, SwiGLU and "
-                            "LoRA arithmetic; a CUDA GPU; the first steps pay the compilation) | none")
+                            "LoRA arithmetic; with the chunked loss, its softmax gradient too; a CUDA GPU; the first "
+                            "steps pay the compilation) | none")
     offload_embeddings: bool = key(False, kind="bool",
                                    help="fitune's runner: the input embedding table stays in CPU memory and each "
                                         "step's embeddings are looked up there and copied to the GPU (LoRA / "

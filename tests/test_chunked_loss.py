@@ -20,7 +20,16 @@ def _reference(hidden, weight, labels, num_items, softcap=None):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("train_weight", [False, True])
-def test_forward_and_gradients_match(dtype, tol, softcap, train_weight):
+@pytest.mark.parametrize("compiled", [False, "eager-function", True])
+def test_forward_and_gradients_match(dtype, tol, softcap, train_weight, compiled, monkeypatch):
+    """Eager in-place chunks; `chunk_loss_and_grad` run uncompiled (its arithmetic); and compiled by Inductor (the
+    CPU backend here: `compile: layers` runs it on the GPU with Triton)."""
+    if compiled == "eager-function":  # the compiled path's function, without the compiler
+        from fitune.runtime.techniques import chunked_loss
+
+        monkeypatch.setattr(chunked_loss, "_compiled_chunk", lambda: chunked_loss.chunk_loss_and_grad)
+    elif compiled:
+        torch._dynamo.reset()
     torch.manual_seed(0)
     b, s, h, v = 3, 37, 16, 101
     hidden = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
@@ -36,7 +45,8 @@ def test_forward_and_gradients_match(dtype, tol, softcap, train_weight):
     hidden.grad = None
     if train_weight:
         weight.grad = None
-    out = chunked_linear_cross_entropy(hidden, weight, labels, n, chunk_tokens=16, softcap=softcap)
+    out = chunked_linear_cross_entropy(hidden, weight, labels, n, chunk_tokens=16, softcap=softcap,
+                                       compiled=bool(compiled))
     (out * 2).backward()  # a non-unit upstream gradient
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(hidden.grad.float(), 2 * g_ref_h.float(), rtol=tol, atol=tol)

@@ -60,19 +60,6 @@ def test_readme_unsloth_against_the_trainer_is_the_record():
             ).replace("%", " %") in readme
 
 
-def test_readme_summary_line_is_the_record():
-    """The README's summary row quotes the second (compiled layers) call and the first call's ratios beside it."""
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    f = _lines("run2/rank_check.jsonl")[0]["tokens_per_s_median"]
-    peers = {r["stack"]: r["tokens_per_s"] for r in _lines("run2/peers.jsonl")}
-    hf_liger = max(peers["hf_trainer_liger"], peers["hf_loop_liger"])
-    first = _lines("fitune.jsonl")[0]["tokens_per_s_median"]
-    first_liger = max(_best("hf_trainer_liger")["tokens_per_s"], _best("hf_loop_liger")["tokens_per_s"])
-    assert (f"{f / peers['hf_trainer']:.2f}x the HF Trainer, {f / hf_liger:.2f}x HF + Liger, "
-            f"{f / peers['unsloth']:.2f}x Unsloth (compiled layers; {first / first_liger:.2f}x and "
-            f"{first / _best('unsloth')['tokens_per_s']:.2f}x with Liger in the call before)") in readme
-
-
 def test_readme_second_call_is_the_record():
     """The compiled-layers call (bench/results/peers/run2/): fitune along the user's path, then each peer at the
     setup that was its fastest in the first call; the ratios the README states."""
@@ -120,3 +107,112 @@ def test_readme_real_length_same_call_is_the_record():
     assert f"`fitune train` {f['trained_tokens_per_s']:,.0f} (packing" in readme
     ratio = f["trained_tokens_per_s"] / t["trained_tokens_per_s"]
     assert f"**{ratio:.2f}x** the Trainer default" in readme and ratio >= 2
+
+
+def _run3(call):
+    folder = "run3/call_a" if call == 3 else "run3"
+    fitune = _lines(f"{folder}/rank_check.jsonl")[0]
+    peers = {r["stack"]: r for r in _lines(f"{folder}/peers.jsonl")}
+    return fitune, peers
+
+
+def test_readme_third_and_fourth_calls_are_the_record():
+    """bench/results/peers/run3/: the step without host syncs and with the compiled loss, fitune first (call 3) and
+    last (call 4); every figure of the README's table and the ratios it states."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    ratios = {}
+    for call in (3, 4):
+        fitune, peers = _run3(call)
+        assert fitune["exit"] == 0 and fitune["plan"] == 1 and fitune["steps"] == 12
+        assert fitune["micro_batch_sizes"] == [1] and fitune["peak_allocated_bytes"] <= 23.4 * 2**30
+        for r in peers.values():
+            assert r["fits"] and r["cap"] == "rtx4090" and r["steps_done"] == 12
+        hf_liger = max(peers["hf_trainer_liger"]["tokens_per_s"], peers["hf_loop_liger"]["tokens_per_s"])
+        ratios[call] = fitune["tokens_per_s_median"] / hf_liger
+        unsloth = f"{peers['unsloth']['tokens_per_s']:,.0f}" if "unsloth" in peers else "not run"
+        row = (f"| {call} (fitune {'first' if call == 3 else 'last'}) | **{fitune['tokens_per_s_median']:,.0f}** | "
+               f"{peers['hf_loop_liger']['tokens_per_s']:,.0f} | {peers['hf_trainer_liger']['tokens_per_s']:,.0f} | "
+               f"{unsloth} | **{ratios[call]:.2f}x**")
+        assert row in readme, row
+    fitune, peers = _run3(4)
+    to_unsloth = fitune["tokens_per_s_median"] / peers["unsloth"]["tokens_per_s"]
+    assert f"(and {to_unsloth:.2f}x Unsloth)" in readme
+    assert f"fitune's peak {_gib(fitune['peak_allocated_bytes'])} allocated / " \
+           f"{_gib(fitune['peak_reserved_bytes'])[:-4]} GiB reserved" in readme
+    assert min(ratios.values()) / 1.2 > 1.08  # the issue's goal, in both calls, each beyond the noise
+    assert "each more than 8 % above it" in readme
+    run2 = _lines("run2/rank_check.jsonl")[0]["tokens_per_s_median"] / max(
+        r["tokens_per_s"] for r in _lines("run2/peers.jsonl") if "liger" in r["stack"])
+    first = _lines("fitune.jsonl")[0]["tokens_per_s_median"] / max(
+        _best("hf_trainer_liger")["tokens_per_s"], _best("hf_loop_liger")["tokens_per_s"])
+    assert (f"on the seeds' workload {ratios[3]:.2f}x and {ratios[4]:.2f}x HF + Liger in two calls and "
+            f"{to_unsloth:.2f}x Unsloth (the step without host syncs and with a compiled loss; {run2:.2f}x and "
+            f"{first:.2f}x in the two calls before)") in readme
+
+
+def test_readme_estimate_on_the_fourth_call_is_the_estimator():
+    from fitune.memory.estimate import estimate
+    from fitune.setup import TrainSetup
+    from fitune.specs import load_model_spec, resolve_gpu
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    r = _lines("run3/rank_check.jsonl")[0]
+    est = estimate(load_model_spec(r["model"]), TrainSetup.from_dict(r["setup"]), resolve_gpu("h200"))  # as accuracy.py
+    err = est.peak_allocated_bytes / r["peak_allocated_bytes"] - 1
+    assert abs(err) < 0.02
+    assert f"(estimate {err:+.2%} allocated)".replace("%", " %") in readme
+
+
+def test_readme_loss_kernel_table_is_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    path = os.path.join(ROOT, "bench", "results", "speed", "loss_kernels.jsonl")
+    rows = {(r["impl"], r["tokens"]): r for r in map(json.loads, open(path, encoding="utf-8"))}
+    for n in (2048, 16384):
+        ms = {impl: rows[(impl, n)]["ms"] for impl in ("chunked", "chunked_compiled", "liger_flce", "cce", "cce_exact",
+                                                      "hf")}
+        assert min(ms, key=ms.get) == "chunked_compiled"  # the fastest of all, exact or not
+        assert rows[("chunked_compiled", n)]["grad_rel_norm_diff"] < 1e-4  # exact to rounding
+        assert rows[("cce", n)]["grad_rel_norm_diff"] > 5e-3  # the filtered kernel is not
+        assert (f"| {n:,} | {ms['chunked']:.2f} ms | **{ms['chunked_compiled']:.2f} ms** | {ms['liger_flce']:.2f} ms | "
+                f"{ms['cce']:.2f} ms") in readme, n
+        assert f"{ms['cce_exact']:.2f} ms | {ms['hf']:.2f} ms, {_gib(rows[('hf', n)]['peak_above_inputs_bytes'])} |" \
+            in readme, n
+    assert (f"0.51 GiB at 2,048 tokens against the eager\nchunk's "
+            f"{rows[('chunked', 2048)]['peak_above_inputs_bytes'] / 2**30:.2f} GiB") in readme
+    assert f"{rows[('chunked_compiled', 2048)]['peak_above_inputs_bytes'] / 2**30:.2f}" == "0.51"
+
+
+def test_readme_step_profile_figures_are_the_record():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    speed = os.path.join(ROOT, "bench", "results", "speed")
+    before = json.loads(open(os.path.join(speed, "step_profile_before.jsonl")).readline())
+    after = json.loads(open(os.path.join(speed, "step_profile.jsonl")).readline())
+    assert f"went from {before['tokens_per_s_median']:,.0f} to {after['tokens_per_s_median']:,.0f} tokens/s" in readme
+    kinds = before["kernel_s_per_kind"]
+    wall = before["wall_s"]
+    assert f"{kinds['matmul'] / wall:.0%}\nmatmuls, {kinds['attention'] / wall:.0%} attention".replace("%", " %") \
+        in readme
+
+
+def test_readme_bounds_for_fused_lora_and_cuda_graphs_are_the_record():
+    """The small-tile matmuls' share of the profiled step before the changes (from its committed trace), and the
+    idle share after them (busy time against the median unprofiled step)."""
+    import gzip
+    import re
+    import statistics
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    speed = os.path.join(ROOT, "bench", "results", "speed")
+    before = json.loads(open(os.path.join(speed, "step_profile_before.jsonl")).readline())
+    with gzip.open(os.path.join(speed, "trace_seeds_before.json.gz"), "rt") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    small_us = sum(e["dur"] for e in kernels if re.search(r"nvjet|gemm|splitK", e["name"])
+                   and not re.search(r"_(256x128|320x128)_", e["name"]))
+    assert (f"took {small_us / 1e3:.1f} ms of the three steps' {before['wall_s'] * 1e3:.0f} ms, "
+            f"{small_us / 1e6 / before['wall_s']:.1%}").replace("%", " %") in readme.replace("\n", " ")
+    after = json.loads(open(os.path.join(speed, "step_profile.jsonl")).readline())
+    profiled = range(5, 5 + after["profiled_steps"])  # bench/step_profile.py's default --profile-from 5
+    step = statistics.median(t for i, t in enumerate(after["step_time_s"]) if i >= 1 and i not in profiled)
+    busy = after["gpu_busy_s"] / after["profiled_steps"]
+    assert f"busy\n{busy:.3f} s of a {step:.3f} s step" in readme
+    assert f"at most the {1 - busy / step:.1%} that is idle".replace("%", " %") in readme

@@ -211,3 +211,52 @@ def test_keep_outputs_holds_the_model_output_through_the_optimizer_step():
         train_step(model, Probe(model.parameters(), lr=0.0), [ids], recipe=True, keep_outputs=keep)
         assert Probe.alive is keep
         assert seen["out"]() is None  # and it is freed once the step returns
+
+
+def test_default_inputs_are_dropped_on_the_cpu_and_the_rest_kept():
+    """What transformers would only test on the GPU (a sync) and then ignore goes; what changes the result stays."""
+    from fitune.runtime.step import without_default_inputs
+
+    ones = torch.ones(2, 6, dtype=torch.long)
+    padded = ones.clone()
+    padded[1, 4:] = 0
+    arange = torch.arange(6).expand(2, 6).clone()
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
+    offset = arange + 3  # no restart, but not 0, 1, ...: the model would compute other positions
+    assert without_default_inputs({"attention_mask": ones}) == {}
+    assert without_default_inputs({"attention_mask": padded})["attention_mask"] is padded
+    assert without_default_inputs({"position_ids": arange}) == {}
+    assert without_default_inputs({"position_ids": packed})["position_ids"] is packed
+    assert without_default_inputs({"position_ids": offset})["position_ids"] is offset
+    kept = without_default_inputs({"attention_mask": padded, "position_ids": arange})
+    assert set(kept) == {"attention_mask", "position_ids"}  # with a padding mask, positions are left as given
+    src = {"attention_mask": ones}
+    without_default_inputs(src)
+    assert "attention_mask" in src  # the caller's dict is not changed
+
+
+@pytest.mark.parametrize("loss", ["hf", "chunked"])
+def test_a_batch_with_default_inputs_trains_as_transformers_does_with_them(loss):
+    """fitune.data's unpacked batch (a mask of ones) and a packed row of one example (positions 0, 1, ...): the loss
+    and gradients of fitune's step, which drops those inputs, equal transformers' forward given them."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    for extra in ({"attention_mask": torch.ones_like(ids)}, {"position_ids": torch.arange(12).expand(2, 12)}):
+        batch = SimpleNamespace(input_ids=ids, labels=ids, **extra)
+        model = _model()
+        ref = model(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=torch.tensor(22), **extra).loss
+        ref.backward()
+        ref_grads = _grads(model)
+        model.zero_grad(set_to_none=True)
+        out = forward_loss(model, batch, loss=loss, num_items=22)
+        out.backward()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for n, g in _grads(model).items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_to_device_leaves_cpu_tensors_and_same_device_copies_alone():
+    from fitune.runtime.step import to_device
+
+    t = torch.arange(4)
+    assert to_device(t, "cpu") is t
+    assert to_device(t, torch.device("cpu")) is t

@@ -9,6 +9,7 @@
 #   bash bench/peers/run.sh $OUT            # every candidate, 12 steps (about 8 minutes)
 #   bash bench/peers/run.sh $OUT --quick    # smoke test: 2-layer model, one candidate per stack, 6 steps
 #   PEERS_PASSES=1 bash bench/peers/run.sh $OUT   # pass 1 only: each stack's likeliest best
+#   PEERS_ONLY=hf_loop_liger.none.m1x2,unsloth.unsloth.m2 bash bench/peers/run.sh $OUT   # these cases only
 #
 # Results: $OUT/peers.jsonl (one JSON line per candidate), $OUT/logs_tail.txt (the end of each case's log, kept
 # in $PEERS_LOGS), $OUT/env.txt.
@@ -45,6 +46,7 @@ make_model_once "$MODEL" "${MAKE_ARGS[@]}"
 n=0
 run_case() {  # run_case NAME SCRIPT ARGS...: one candidate in its own process
   local name=$1 script=$2; shift 2
+  if [ -n "${PEERS_ONLY:-}" ] && [[ ",$PEERS_ONLY," != *",$name,"* ]]; then return; fi
   n=$((n + 1))
   local left=$(( BUDGET - ($(date +%s) - T0) ))
   if [ $left -lt 45 ]; then

@@ -24,7 +24,7 @@ On Llama and Qwen2 (where they were measured) each decoder layer is compiled whe
 of PyTorch bring it; --compile none leaves it out), else Liger's kernels are used when liger-kernel is installed
 (--kernels torch leaves them out; --kernels liger picks them over compiling).
 Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
-the full estimate), speed a model calibrated on 147 measured H200 steps of 7 models (docs/plan.md).
+the full estimate), speed a model calibrated on 144 measured H200 steps of 7 models (docs/plan.md).
 
 Output: the ranked plans (memory, predicted tokens/s, what each turns on), one line for each faster option that
 does not fit, and when nothing fits: the smallest requirement and the changes that would fit.

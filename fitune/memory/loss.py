@@ -66,7 +66,7 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
 
 
 def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS,
-                 lm_head_trainable: bool = False) -> Tensor:
+                 lm_head_trainable: bool = False, compiled: bool = False) -> Tensor:
     """fitune's chunked linear + cross-entropy (fitune/runtime/techniques/chunked_loss.py).
 
     Forward: the gradient with respect to the hidden states is computed along with the loss and kept
@@ -79,17 +79,26 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
     (`torch.zeros_like(weight, dtype=float32)`, 4 x vocab x hidden bytes, kept for backward); each chunk adds
     `(g.t() @ h).float()` (a model-dtype and an fp32 vocab x hidden temporary, after the chunk's fp32 logits are
     freed); backward scales it (an fp32 temporary) and casts it into the parameter's gradient.
+
+    `compiled` (`compile: layers`): each chunk's softmax gradient is one compiled function
+    (`chunked_loss.chunk_loss_and_grad`) from the model-dtype logits to a model-dtype gradient: no fp32 chunk, no
+    separate cast; the logits go once it has run.
     """
     V, w, H = model.vocab_size, act_bytes, model.hidden_size
     n = min(tokens, chunk_tokens)
     grad_h = ag.new(w * H * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
     grad_w = ag.new(FP32 * V * H, True, "chunked loss: d loss / d lm_head (fp32)", LOGITS) if lm_head_trainable else None
     chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)
-    chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
-    ag.drop(chunk_bf16)
-    tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
-    cast = ag.new(w * V * n, False, "chunk gradient cast", LOGITS)
-    if lm_head_trainable:
+    if compiled:
+        chunk_fp32 = tanh = None
+        cast = ag.new(w * V * n, False, "chunk gradient (compiled)", LOGITS)
+        ag.drop(chunk_bf16)  # `del logits` after the compiled function
+    else:
+        chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
+        ag.drop(chunk_bf16)
+        tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
+        cast = ag.new(w * V * n, False, "chunk gradient cast", LOGITS)
+    if lm_head_trainable and chunk_fp32 is not None:
         ag.drop(chunk_fp32)  # `del grad` once cast: gone before the matmuls
     part = ag.new(w * H * n, False, "chunk d hidden", LOGITS)
     if lm_head_trainable:

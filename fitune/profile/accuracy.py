@@ -171,6 +171,7 @@ SOURCES = (
     ("bench/results/peers/context_per_card/call1/max_context.jsonl", "context", "out"),
     ("bench/results/peers/context_per_card/call2/max_context.jsonl", "context", "out"),
     ("bench/results/peers/context_48gb/call1/max_context.jsonl", "context", "out"),
+    ("bench/results/peers/run3/rank_check.jsonl", "setup", "out"),
 )
 
 

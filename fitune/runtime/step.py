@@ -71,15 +71,42 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     device = compute_device(model)  # not the first parameter's: an offloaded embedding table is on the CPU
     # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
     # apart by their restarting position_ids) only when no cache is passed
-    kwargs = {"use_cache": False, **{k: v.to(device) for k, v in extra.items()}}
-    num = torch.tensor(num_items, device=device) if num_items is not None else None
+    kwargs = {"use_cache": False, **{k: to_device(v, device) for k, v in without_default_inputs(extra).items()}}
+    input_ids, labels = to_device(input_ids, device), to_device(labels, device)
+    num = to_device(torch.tensor(num_items), device) if num_items is not None else None
     if loss == "chunked":  # never materialise the whole sequence's logits
         from .techniques.chunked_loss import causal_lm_chunked_loss
 
-        return causal_lm_chunked_loss(model, input_ids.to(device), labels.to(device), num_items=num, **kwargs)
+        return causal_lm_chunked_loss(model, input_ids, labels, num_items=num, **kwargs)
     if num is not None:
         kwargs["num_items_in_batch"] = num
-    return model(input_ids=input_ids.to(device), labels=labels.to(device), **kwargs).loss
+    return model(input_ids=input_ids, labels=labels, **kwargs).loss
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` without making the CPU wait: a CPU tensor is copied to a CUDA device from pinned memory,
+    non-blocking. A copy from pageable memory returns only once the GPU has run everything queued before it, so
+    the CPU would then launch the micro-batch's first kernels with the GPU idle (measured on the seeds' workload:
+    about 3.7 ms of idle GPU at each micro-batch's start, bench/results/speed/step_profile.jsonl)."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def without_default_inputs(inputs: dict) -> dict:
+    """The batch's `attention_mask` / `position_ids` less what transformers would only test on the GPU and then
+    ignore: a mask of ones (masking_utils' `_ignore_causal_mask_sdpa` then runs causal attention without a mask)
+    and position ids 0, 1, ... on every row (what the model computes when none are given). Tested here on the CPU
+    copy, it costs no host sync; a packed batch's restarting positions, or a mask with padding, are kept."""
+    out = dict(inputs)
+    mask, pos = out.get("attention_mask"), out.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and mask.dim() == 2 and bool(mask.all()):
+        del out["attention_mask"]
+        mask = None
+    if (mask is None and isinstance(pos, torch.Tensor) and pos.device.type == "cpu" and pos.dim() == 2
+            and torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos))):
+        del out["position_ids"]
+    return out
 
 
 def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "hf", recipe: bool = False,
@@ -108,7 +135,7 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
     """
     phase = phase or _no_phase
     n = len(micro_batches)
-    total = 0.0
+    total = None  # the step's loss, summed on the device: read once, after the optimizer step is queued
     users_loss = users_out = None
     for i, mb in enumerate(micro_batches):
         if before_micro_batch is not None:
@@ -123,7 +150,7 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
                 loss_t = loss_t / n  # the step's loss is the mean over its micro-batches
         with phase("backward"):
             (scaler.scale(loss_t) if scaler is not None else loss_t).backward()
-        total += loss_t.item()
+        total = loss_t.detach() if total is None else total + loss_t.detach()  # no host sync between micro-batches
         if recipe:  # a user's `loss` variable lives on through opt.step(), and so does what its graph still holds
             users_loss = loss_t  # (with checkpointing 2 x hidden x tokens; measured: bench/results/hf_recipe)
         del loss_t  # fitune frees the graph's last references before the next micro-batch and the optimizer step
@@ -142,7 +169,8 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # the gradients' memory goes back before the next forward
         del users_loss, users_out
-    return StepStats(loss=total, micro_batches=n, loss_scale_before=scale_before, loss_scale=scale_after)
+    return StepStats(loss=total.item() if total is not None else 0.0, micro_batches=n, loss_scale_before=scale_before,
+                     loss_scale=scale_after)
 
 
 @contextlib.contextmanager

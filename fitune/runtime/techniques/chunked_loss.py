@@ -10,6 +10,12 @@ matmuls as the plain path (the technique of Liger Kernel's fused linear cross-en
 
 Exact: the same loss and gradients as `cross_entropy(lm_head(h).float(), labels, reduction="sum") / num_items`
 up to float rounding (tests/test_chunked_loss.py compares forward and backward with the plain computation).
+
+Compiled (with `compile: layers`, see `use_compiled_loss`): what runs between a chunk's two matmuls (upcast,
+max, exp, sum, the softmax minus the one-hot label, the scaling, the cast back) is one `torch.compile`d function,
+so Inductor fuses it into a few passes over the model-dtype logits instead of a dozen passes over an fp32 copy,
+and the fp32 copy never exists. Measured alone on the seeds' lm_head (bench/loss_kernels.py,
+bench/results/speed/loss_kernels.jsonl).
 """
 
 from __future__ import annotations
@@ -18,14 +24,61 @@ import torch
 
 IGNORE_INDEX = -100
 CHUNK_TOKENS = 1024  # fitune.memory.loss.CHUNK_TOKENS models the same chunk
+COMPILED_FLAG = "_fitune_compiled_loss"
+"""The attribute `use_compiled_loss` sets on the base model: `causal_lm_chunked_loss` then runs the compiled chunk."""
+
+
+def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor,
+                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed token loss (fp32) and the loss's gradient with respect to its logits (in the logits'
+    dtype): the eager loop's arithmetic in the same order, written without in-place updates or indexing so that
+    `torch.compile` fuses it (`_compiled_chunk`)."""
+    x = logits.float()
+    if softcap:
+        t = torch.tanh(x / softcap)
+        x = t * softcap
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    peak = x.amax(dim=-1, keepdim=True)
+    e = torch.exp(x - peak)
+    sums = e.sum(dim=-1, keepdim=True)
+    lse = (sums.log() + peak).squeeze(1)
+    picked = x.gather(1, safe[:, None]).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    one_hot = torch.arange(x.shape[1], device=x.device)[None, :] == safe[:, None]
+    grad = (e / sums - one_hot.to(x.dtype)) * valid[:, None].to(x.dtype)
+    if softcap:
+        grad = grad * (1 - t * t)  # d(cap * tanh(x / cap)) / dx
+    return loss, (grad / num_items).to(logits.dtype)
+
+
+_COMPILED_CHUNK = None
+
+
+def _compiled_chunk():
+    global _COMPILED_CHUNK
+    if _COMPILED_CHUNK is None:  # dynamic=None: a second chunk length (the last, shorter chunk) compiles dynamic once
+        _COMPILED_CHUNK = torch.compile(chunk_loss_and_grad, dynamic=None)
+    return _COMPILED_CHUNK
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def use_compiled_loss(model, on: bool = True) -> None:
+    """Make `causal_lm_chunked_loss` on `model` (PEFT-wrapped or not) run each chunk's softmax gradient compiled
+    (`compile: layers` turns it on with the compiled decoder layers; `compile: none` leaves it eager)."""
+    setattr(_base_model(model), COMPILED_FLAG, bool(on))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_items, chunk_tokens, softcap):
+    def forward(ctx, hidden, weight, labels, num_items, chunk_tokens, softcap, compiled=False):
         n_tokens = hidden.shape[0]
         need_h = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1]
+        fused = _compiled_chunk() if compiled and (need_h or need_w) else None
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -33,33 +86,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_tokens, n_tokens)
             h = hidden[start:end]
             y = labels[start:end]
-            logits = (h @ weight.t()).float()  # the model-dtype logits die here: only fp32 stays
-            if softcap:
-                t = torch.tanh(logits / softcap)
-                logits = t * softcap
-            valid = y != IGNORE_INDEX
-            safe_y = torch.where(valid, y, torch.zeros_like(y))
-            picked = logits.gather(1, safe_y[:, None]).squeeze(1)
-            # log-sum-exp and softmax in place: torch.logsumexp would allocate a temporary the size of the chunk
-            peak = logits.amax(dim=-1, keepdim=True)
-            grad = logits.sub_(peak).exp_()  # exp(z - max), in place of the logits
-            del logits  # `grad` is the only name left for the chunk's fp32 block: it goes with `del grad`
-            sums = grad.sum(dim=-1, keepdim=True)
-            lse = (sums.log() + peak).squeeze(1)
-            total += ((lse - picked) * valid).sum()
-            del picked, lse, peak
-            if not (need_h or need_w):
+            if fused is not None:  # one compiled function: the chunk's fp32 logits never exist
+                logits = h @ weight.t()
+                part, g = fused(logits, y, num_items, softcap)
+                del logits
+                total += part
+                del part
+            else:
+                logits = (h @ weight.t()).float()  # the model-dtype logits die here: only fp32 stays
+                if softcap:
+                    t = torch.tanh(logits / softcap)
+                    logits = t * softcap
+                valid = y != IGNORE_INDEX
+                safe_y = torch.where(valid, y, torch.zeros_like(y))
+                picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+                # log-sum-exp and softmax in place: torch.logsumexp would allocate a temporary the size of the chunk
+                peak = logits.amax(dim=-1, keepdim=True)
+                grad = logits.sub_(peak).exp_()  # exp(z - max), in place of the logits
+                del logits  # `grad` is the only name left for the chunk's fp32 block: it goes with `del grad`
+                sums = grad.sum(dim=-1, keepdim=True)
+                lse = (sums.log() + peak).squeeze(1)
+                total += ((lse - picked) * valid).sum()
+                del picked, lse, peak
+                if not (need_h or need_w):
+                    del grad
+                    continue
+                grad.div_(sums)  # softmax
+                grad[torch.arange(end - start, device=grad.device), safe_y] -= valid.to(grad.dtype)
+                grad *= valid[:, None].to(grad.dtype)
+                if softcap:
+                    grad *= 1 - t * t  # d(cap * tanh(x / cap)) / dx
+                    del t
+                grad /= num_items
+                g = grad.to(weight.dtype)
                 del grad
-                continue
-            grad.div_(sums)  # softmax
-            grad[torch.arange(end - start, device=grad.device), safe_y] -= valid.to(grad.dtype)
-            grad *= valid[:, None].to(grad.dtype)
-            if softcap:
-                grad *= 1 - t * t  # d(cap * tanh(x / cap)) / dx
-                del t
-            grad /= num_items
-            g = grad.to(weight.dtype)
-            del grad
             if need_h:
                 grad_hidden[start:end] = g @ weight
             if need_w:
@@ -74,12 +134,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  num_items: int | torch.Tensor | None = None, chunk_tokens: int = CHUNK_TOKENS,
-                                 softcap: float | None = None) -> torch.Tensor:
+                                 softcap: float | None = None, compiled: bool = False) -> torch.Tensor:
     """Causal-LM loss of `hidden` (batch, seq, h) through `weight` (vocab, h) against `labels` (batch, seq).
 
     Labels are shifted as transformers does (position t predicts labels[t + 1]); -100 is ignored. The loss is
@@ -92,16 +152,17 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     if num_items is None:
         num_items = int((flat_y != IGNORE_INDEX).sum().item())
     num = torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device).clamp_min(1)
-    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap)
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap, compiled)
 
 
 def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_tokens: int = CHUNK_TOKENS, **inputs):
     """Run a (PEFT-wrapped) transformers causal LM's decoder and take the chunked loss through its lm_head."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     out = decoder(input_ids=input_ids, **inputs)
     head = base.get_output_embeddings()
     softcap = getattr(base.config, "final_logit_softcapping", None)
     if getattr(head, "bias", None) is not None:
         raise ValueError("the chunked loss supports lm_heads without bias (every catalog model)")
-    return chunked_linear_cross_entropy(out.last_hidden_state, head.weight, labels, num_items, chunk_tokens, softcap)
+    return chunked_linear_cross_entropy(out.last_hidden_state, head.weight, labels, num_items, chunk_tokens, softcap,
+                                        compiled=getattr(base, COMPILED_FLAG, False))
