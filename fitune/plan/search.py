@@ -637,8 +637,9 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
     if s.kernels == "liger":
         out.append("Liger's fused RMSNorm, SwiGLU and RoPE kernels")
     if s.compile == "layers":
-        out.append("each decoder layer compiled (torch.compile fuses its norms, RoPE, SwiGLU and LoRA arithmetic; "
-                   "the first step pays the compilation)")
+        loss = ", and each chunk of the loss in one function" if s.loss == "chunked" else ""
+        out.append("each decoder layer compiled (torch.compile fuses its norms, RoPE, SwiGLU and LoRA arithmetic"
+                   f"{loss}; the first step pays the compilation)")
     if s.expandable_segments:
         out.append("expandable segments in PyTorch's allocator (little fragmentation)")
     if s.optimizer != "adamw":
