@@ -192,6 +192,8 @@ def test_readme_step_profile_figures_are_the_record():
     wall = before["wall_s"]
     assert f"{kinds['matmul'] / wall:.0%}\nmatmuls, {kinds['attention'] / wall:.0%} attention".replace("%", " %") \
         in readme
+    assert f"{kinds['compiled'] / wall:.0%}\ncompiled layer code, {kinds['other'] / wall:.0%} other elementwise".replace(
+        "%", " %") in readme
 
 
 def test_readme_bounds_for_fused_lora_and_cuda_graphs_are_the_record():
@@ -216,3 +218,31 @@ def test_readme_bounds_for_fused_lora_and_cuda_graphs_are_the_record():
     busy = after["gpu_busy_s"] / after["profiled_steps"]
     assert f"busy\n{busy:.3f} s of a {step:.3f} s step" in readme
     assert f"at most the {1 - busy / step:.1%} that is idle".replace("%", " %") in readme
+
+
+def test_readme_idle_gpu_at_each_micro_batch_start_is_the_record():
+    """The profiled step before the host syncs went (its committed trace): at each micro-batch's start, from the end
+    of the last kernel before its input copies to its first kernel longer than 50 us, how long the GPU sat idle."""
+    import gzip
+
+    with gzip.open(os.path.join(ROOT, "bench", "results", "speed", "trace_seeds_before.json.gz"), "rt") as f:
+        gpu = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    idle_ms, i = [], 0
+    while i < len(gpu):
+        if "HtoD" in gpu[i]["name"] and (i == 0 or "HtoD" not in gpu[i - 1]["name"]):
+            end = gpu[i - 1]["ts"] + gpu[i - 1]["dur"] if i else gpu[i]["ts"]
+            idle, j = 0.0, i
+            while j < len(gpu) and gpu[j]["dur"] <= 50:
+                idle += max(0.0, gpu[j]["ts"] - end)
+                end = max(end, gpu[j]["ts"] + gpu[j]["dur"])
+                j += 1
+            if j < len(gpu):
+                idle += max(0.0, gpu[j]["ts"] - end)
+            idle_ms.append(idle / 1000)
+            i = j
+        i += 1
+    assert len(idle_ms) == 6  # three profiled steps of two micro-batches
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert (f"for {min(idle_ms):.1f} to {max(idle_ms):.1f} ms ({sum(idle_ms) / len(idle_ms):.1f} ms on average over "
+            "the six in the trace)") in readme

@@ -254,9 +254,29 @@ def test_a_batch_with_default_inputs_trains_as_transformers_does_with_them(loss)
             torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_to_device_leaves_cpu_tensors_and_same_device_copies_alone():
+def test_to_device_pins_and_does_not_block_only_for_a_cpu_tensor_going_to_cuda():
+    """A CPU tensor bound for CUDA goes through pinned memory with a non-blocking copy; anything else is a plain
+    `.to` (a stand-in records the calls: no GPU here)."""
     from fitune.runtime.step import to_device
 
-    t = torch.arange(4)
-    assert to_device(t, "cpu") is t
-    assert to_device(t, torch.device("cpu")) is t
+    class Fake:
+        def __init__(self, device_type, calls):
+            self.device, self.calls = SimpleNamespace(type=device_type), calls
+
+        def pin_memory(self):
+            self.calls.append("pin_memory")
+            return self
+
+        def to(self, device, non_blocking=False):
+            self.calls.append(("to", str(device), non_blocking))
+            return self
+
+    calls = []
+    to_device(Fake("cpu", calls), "cuda")
+    assert calls == ["pin_memory", ("to", "cuda", True)]
+    calls = []
+    to_device(Fake("cuda", calls), "cuda")  # already there: no pinning
+    assert calls == [("to", "cuda", False)]
+    calls = []
+    to_device(Fake("cpu", calls), torch.device("cpu"))
+    assert calls == [("to", "cpu", False)]

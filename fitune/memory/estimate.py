@@ -556,7 +556,7 @@ def compiled_first_layer_recomputes(setup: TrainSetup, inputs_require_grad: bool
     and recomputes the layer in backward, as a checkpointed layer does. Measured with the allocator history on the
     H200 (Llama-3.2-1B, 2 x 2048, bench/results/speed/trace_peak_compiled_1b.json: layer 0 frees its gate and up
     projections in the forward, the 15 others keep them); without it the estimate was one layer's activations over
-    on every such run (+1.2 % to +3.0 %, bench/results/speed/speed.jsonl)."""
+    on every such run (+0.7 % to +3.1 %, bench/results/speed/speed.jsonl)."""
     return setup.compile == "layers" and setup.method in ("lora", "qlora") and not inputs_require_grad
 
 

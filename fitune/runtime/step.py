@@ -87,7 +87,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """`t` on `device` without making the CPU wait: a CPU tensor is copied to a CUDA device from pinned memory,
     non-blocking. A copy from pageable memory returns only once the GPU has run everything queued before it, so
     the CPU would then launch the micro-batch's first kernels with the GPU idle (measured on the seeds' workload:
-    about 3.7 ms of idle GPU at each micro-batch's start, bench/results/speed/step_profile.jsonl)."""
+    2.3 to 4.6 ms of idle GPU at each micro-batch's start, bench/results/speed/trace_seeds_before.json.gz)."""
     if t.device.type == "cpu" and torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
