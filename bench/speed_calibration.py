@@ -16,6 +16,9 @@ cases, so a group keeps them fixed, and the tiled MLP, which stays patched, runs
   full        full fine-tuning (AdamW), lean RMSNorm
   lora_compile, qlora_compile  each decoder layer compiled (issue 14), lean LoRA, no lean RMSNorm / Liger (the
               compiled layer fuses them); compilation is paid in step 1, the median is over steps 3 and later
+  lora_compile_check, qlora_compile_check  the same technique at shapes the estimator's model of compiled layers
+              was not made from (r32 all-linear: 1 x 16384 and 2 x 4096 with checkpointing, 1 x 4096 without): its
+              out-of-sample check
 
     export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
     python3 bench/speed_calibration.py --model llama-3.2-1b --group lora --out $OUT/speed.jsonl
@@ -44,13 +47,17 @@ ALL = ("all-linear",)
 def cases(group: str, model_type: str) -> list[TrainSetup]:
     """The setups one group measures, in order (the tiled MLP last: it stays patched)."""
     liger = group.endswith("_liger")
-    compiled = group.endswith("_compile")
+    compiled = group.endswith(("_compile", "_compile_check"))
     method = group.split("_")[0]
     base = TrainSetup(method="qlora" if method == "qlora" else "lora", lora_rank=8, lora_targets=QV, batch_size=2,
                       seq_len_tokens=2048, loss="chunked", lean_lora=method != "full",
                       lean_norm=not (liger or compiled) and model_type in LEAN_NORM_TYPES,
                       kernels="liger" if liger else "torch", expandable_segments=True, stack="fitune",
                       compile="layers" if compiled else "none")
+    if group.endswith("_compile_check"):
+        long = base.replace(lora_rank=32, lora_targets=ALL, batch_size=1, grad_checkpointing="full")
+        return [long.replace(seq_len_tokens=16384), long.replace(batch_size=2, seq_len_tokens=4096),
+                long.replace(seq_len_tokens=4096, grad_checkpointing="none")]
     if compiled:
         long = base.replace(lora_rank=32, lora_targets=ALL, batch_size=1)
         return [base, base.replace(batch_size=1, grad_accum=2), base.replace(grad_checkpointing="full"),
@@ -126,7 +133,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--group", required=True, choices=("lora", "lora_liger", "qlora", "qlora_liger", "full",
-                                                             "lora_compile", "qlora_compile"))
+                                                             "lora_compile", "qlora_compile",
+                                                             "lora_compile_check", "qlora_compile_check"))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")

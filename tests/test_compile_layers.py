@@ -100,11 +100,10 @@ def test_the_estimator_counts_what_a_compiled_layer_saves():
         return estimate(model_spec_from_hf_config(hf, name="tiny"), setup).forward_saved_bytes
 
     per_layer = saved(2) - saved(1)
-    # the CPU's partitioner also saves the q/v adapters' input (the normed hidden state), which on CUDA it
-    # recomputes from the layer input and the rstd (bench/results/speed/compile_saved.jsonl); the estimator
-    # follows CUDA, so it counts one hidden-sized bf16 tensor less than this trace
-    normed_input = 2 * b * s * CFG["hidden_size"]
-    assert traced - normed_input - adapter_copies <= per_layer - layer_input <= traced - normed_input
+    # the q/v adapters' input (the normed hidden state) is saved, as in eager: an earlier estimator left it out
+    # after CUDA runs whose compiled LoRA gradients were zero (bench/results/speed/zero_grads/); the GPU runs
+    # since, gradients checked (bench/results/speed/compile_parity.jsonl), agree with this trace
+    assert traced - adapter_copies <= per_layer - layer_input <= traced
 
 
 def test_packed_rows_do_not_recompile_the_layers():

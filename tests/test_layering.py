@@ -157,6 +157,9 @@ ALLOWED = {
     ("bench/compile_saved.py", "saved_by_layer"),
     # the loss op alone (lm_head + cross-entropy) forward and backward, per kernel: a microbenchmark, not a step
     ("bench/loss_kernels.py", "measure"),
+    # one micro-batch's forward (fitune's forward_loss) and backward, its gradients compared compiled against eager,
+    # no optimizer: a parity check, not a step
+    ("bench/compile_parity.py", "grads_of"),
 }
 
 

@@ -324,7 +324,7 @@ def fitune_body(args):
         rec["setup"] = {k: cfg.get(k) for k in ("method", "seq_len", "batch_size", "grad_accum", "packing",
                                                 "packing_attention", "grad_checkpointing", "attn", "optimizer",
                                                 "loss", "kernels", "tiled_mlp", "lean_lora", "lean_norm",
-                                                "expandable_segments")}
+                                                "expandable_segments", "compile")}
         t0 = time.perf_counter()
         proc = subprocess.run(fitune + ["train", plan_path, "--no-progress"], capture_output=True, text=True,
                               env=env, timeout=max(30, deadline - time.monotonic()))

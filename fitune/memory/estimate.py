@@ -215,8 +215,6 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         if layer < k_ckpt:
             y, offloaded = _checkpointed_layer(ag, c, x, layer in sliding, offload=mode == "offload")
             host_bytes += offloaded
-        elif layer == 0 and compiled_first_layer_recomputes(setup, inputs_require_grad):
-            y, _ = _checkpointed_layer(ag, c, x, layer in sliding, offload=False)
         else:
             y = decoder_layer(ag, c, x, layer in sliding)
         if rank:
@@ -548,16 +546,6 @@ def _sliding_layers(model: ModelSpec) -> set[int]:
         pattern = int(model.hf_config.get("sliding_window_pattern", 6))
         return {i for i in range(model.num_layers) if (i + 1) % pattern != 0}
     return set(range(model.num_layers - model.sliding_window_layers, model.num_layers))
-
-
-def compiled_first_layer_recomputes(setup: TrainSetup, inputs_require_grad: bool) -> bool:
-    """`compile: layers` with adapters and frozen embeddings: the first layer's input needs no gradient, so it is a
-    graph of its own (tests/test_compile_layers.py), and on CUDA AOTAutograd's partitioner keeps only that input
-    and recomputes the layer in backward, as a checkpointed layer does. Measured with the allocator history on the
-    H200 (Llama-3.2-1B, 2 x 2048, bench/results/speed/trace_peak_compiled_1b.json: layer 0 frees its gate and up
-    projections in the forward, the 15 others keep them); without it the estimate was one layer's activations over
-    on every such run (+0.7 % to +3.1 %, bench/results/speed/speed.jsonl)."""
-    return setup.compile == "layers" and setup.method in ("lora", "qlora") and not inputs_require_grad
 
 
 def _checkpointed_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool, offload: bool) -> tuple[Tensor, int]:

@@ -124,11 +124,9 @@ def lean_lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) 
     base = frozen_or_trainable_linear(ag, c, x, lin)
     xa = ag.new(w * r * T, True, f"{lin.name}:lora_xa")
     branch = ag.new(w * n_out * T, True, f"{lin.name}:lora_branch")
-    # compiled (CUDA): the partitioner recomputes the branch's input (a norm's output from the layer input and the
-    # rstd, the SwiGLU product from gate and up) instead of saving it; the attention output is saved by SDPA anyway
-    # (bench/results/speed/compile_saved.jsonl: one hidden-sized bf16 tensor where eager keeps two)
-    saved = [xa] if c.compiled else [x, xa]
-    ag.record(branch, [x], saved, [w * n_in * T], extra_bytes=w * r * T,
+    # compiled or not, the branch keeps x for A's gradient (traced on the CPU: tests/test_compile_layers.py; on
+    # CUDA measured with the gradients checked, bench/results/speed/compile_parity.jsonl)
+    ag.record(branch, [x], [x, xa], [w * n_in * T], extra_bytes=w * r * T,
               param_grad_bytes=FP32 * r * (n_in + n_out), label=f"{lin.name}:lora")
     ag.drop(xa)
     out = ag.new(w * n_out * T, True, f"{lin.name}:out")

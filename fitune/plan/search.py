@@ -114,7 +114,7 @@ class PlanRequest:
     compile: str = "none"
     """layers: compile each decoder layer (fitune/runtime/techniques/compile_layers.py; Inductor fuses the norms,
     RoPE, SwiGLU and LoRA arithmetic, so Liger and the lean RMSNorm are left out); measured faster than Liger on
-    Llama and Qwen2 (bench/results/speed/speed.jsonl, groups *_compile)."""
+    Llama (bench/results/speed/speed.jsonl, groups *_compile)."""
     keep_outputs: bool = False
     """The user's own loop keeps the model output through backward (`out = model(**batch); out.loss.backward()`):
     the plans are then for that script, not fitune's runner: transformers' modules and loss, PEFT's LoRA, no

@@ -171,7 +171,8 @@ SOURCES = (
     ("bench/results/peers/context_per_card/call1/max_context.jsonl", "context", "out"),
     ("bench/results/peers/context_per_card/call2/max_context.jsonl", "context", "out"),
     ("bench/results/peers/context_48gb/call1/max_context.jsonl", "context", "out"),
-    ("bench/results/peers/run3/rank_check.jsonl", "setup", "out"),
+    ("bench/results/peers/run4/rank_check.jsonl", "setup", "out"),
+    ("bench/results/speed/compiled_check.jsonl", "setup", "out"),
 )
 
 
@@ -182,7 +183,8 @@ def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
     readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups,
                "context": compare_context}
     # the compiled-layer runs (compile: layers) are in-sample whatever their file: the estimator's model of the
-    # compiled layer was made from them (and bench/results/speed/compile_saved.jsonl)
+    # compiled layer was last changed after they were measured (the rules made from runs with zero LoRA gradients
+    # were taken out: bench/results/speed/zero_grads/)
     return [(rel, [dataclasses.replace(r, sample="in" if r.setup.compile != "none" else sample)
                    for r in readers[kind](os.path.join(root, rel))])
             for rel, kind, sample in SOURCES]

@@ -4,16 +4,21 @@ PEFT keeps the adapter weights in fp32 and, in `Linear.forward`, casts the layer
 `lora_A` (peft/tuners/lora/layer.py, `_cast_input_dtype`); autograd saves that fp32 copy for lora_A's weight
 gradient: 4 bytes per input feature per token for every wrapped module, even when q, k and v read the same
 input (four copies of the attention input with all-linear targets: 6 GiB at 100k tokens for Llama-3.1-8B).
-Here the branch is one autograd Function that casts the (tiny) adapter matrices to the input's dtype instead,
-saves the input the layer already holds and the r-wide intermediate, and computes in backward
+Here the branch casts the (tiny) adapter matrices to the input's dtype instead, with the scaling folded into B:
 
-    x_A = x A^T,   y = x_A B^T * s
-    dL/dB = s g^T x_A,   dL/dx_A = s g B,   dL/dA = (dL/dx_A)^T x,   dL/dx = (dL/dx_A) A
+    y = (x A^T) (s B)^T      as  F.linear(F.linear(x, A.to(dt)), (B * s).to(dt))
 
-with bf16 matmuls that accumulate in fp32 (the gradients of A and B are returned in their fp32 dtype). The
-output is the base output plus the branch in bf16, without PEFT's fp32 sum or QLoRA's clone of the base
-output. Mathematically the same as PEFT's forward; numerically equal within bf16 rounding
-(tests/test_lean_lora.py compares loss and every gradient with PEFT's own forward).
+so autograd saves the input the layer already holds and the r-wide intermediate x A^T (and the bf16 copies of A
+and B, r values per feature), and its backward makes the r-wide gradient, then the input's gradient, with bf16
+matmuls that accumulate in fp32; A and B get their gradients in their fp32 dtype through the casts. The output is
+the base output plus the branch in bf16, without PEFT's fp32 sum or QLoRA's clone of the base output.
+Mathematically the same as PEFT's forward; numerically equal within bf16 rounding (tests/test_lean_kernels.py
+compares loss and every gradient with PEFT's own forward).
+
+The branch is plain differentiable ops, not a custom `torch.autograd.Function`: inside a `torch.compile`d layer
+(`compile: layers`) on CUDA, torch 2.11 traced an earlier Function version of this branch with a zero gradient
+for its output, so every LoRA gradient came out zero while the loss matched (bench/compile_parity.py, measured
+on the H200: bench/results/speed/zero_grads/compile_parity_before.jsonl; after: compile_parity.jsonl).
 
 Modules with DoRA or another LoRA variant, several active adapters, merged weights or mixed-batch adapter
 names keep PEFT's forward.
@@ -24,38 +29,11 @@ from __future__ import annotations
 import torch
 
 
-class _LoraBranch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight_a, weight_b, scale: float):
-        dt = x.dtype
-        a_lowp, b_lowp = weight_a.to(dt), weight_b.to(dt)
-        xa = x @ a_lowp.t()
-        y = (xa @ b_lowp.t()).mul_(scale)
-        ctx.save_for_backward(x, xa, weight_a, weight_b)
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, xa, weight_a, weight_b = ctx.saved_tensors
-        dt = grad_y.dtype
-        g = grad_y.reshape(-1, grad_y.shape[-1])
-        xa2 = xa.reshape(-1, xa.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_xa = (g @ weight_b.to(dt)).mul_(ctx.scale)  # tokens x r
-        grad_b = grad_a = grad_x = None
-        if ctx.needs_input_grad[2]:
-            grad_b = (g.t() @ xa2).to(weight_b.dtype).mul_(ctx.scale)
-        if ctx.needs_input_grad[1]:
-            grad_a = (grad_xa.t() @ x2).to(weight_a.dtype)
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad_xa @ weight_a.to(dt)).view_as(x)
-        return grad_x, grad_a, grad_b, None
-
-
 def lora_branch(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """`(x A^T) B^T * scale` in x's dtype, saving only x and the r-wide intermediate."""
-    return _LoraBranch.apply(x, weight_a, weight_b, scale)
+    """`(x A^T) B^T * scale` in x's dtype; autograd saves x, x A^T and the low-precision A and s B."""
+    dt = x.dtype
+    xa = torch.nn.functional.linear(x, weight_a.to(dt))
+    return torch.nn.functional.linear(xa, (weight_b * scale).to(dt))
 
 
 def _lean_applicable(module, kwargs) -> str | None:
