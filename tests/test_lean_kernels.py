@@ -113,6 +113,35 @@ def test_lean_lora_matches_peft_in_bf16():
         assert abs(got[1][n].norm() / g.norm() - 1) < 0.05, n
 
 
+def test_lean_lora_branch_is_built_from_plain_autograd_ops():
+    """No custom autograd Function in the branch: inside a compiled layer on CUDA (torch 2.11) the earlier Function
+    was traced with a zero gradient for its output, and every LoRA gradient came out zero while the CPU parity tests
+    passed (bench/results/speed/zero_grads/). The branch's backward graph, walked from its output, has only
+    PyTorch's own nodes, and its gradients reach A and B."""
+    from fitune.runtime.techniques.lean_lora import lora_branch
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(4, 16, requires_grad=True)
+    b = torch.randn(8, 4, requires_grad=True)
+    y = lora_branch(x, a, b, 2.0)
+    custom = torch.autograd.function.BackwardCFunction  # the node class of every custom Function
+    names, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            assert not isinstance(node, custom), type(node).__name__
+            todo.extend(n for n, _ in node.next_functions)
+    assert "MmBackward0" in names or "AddmmBackward0" in names or "UnsafeViewBackward0" in names, names
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert a.grad is not None and a.grad.dtype == torch.float32 and a.grad.abs().sum() > 0
+    assert b.grad is not None and b.grad.dtype == torch.float32 and b.grad.abs().sum() > 0
+    ref = (x.detach().float() @ a.detach().t() @ b.detach().t()) * 2.0
+    assert ((y.detach().float() - ref).norm() / ref.norm()).item() < 1e-2  # bf16 rounding
+
+
 def test_lean_lora_keeps_peft_forward_when_adapters_are_disabled():
     model = _model(["q_proj", "v_proj"])
     ids = torch.randint(0, 200, (1, 12))

@@ -20,11 +20,11 @@ the search varies the micro-batch and gradient accumulation
 sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
 packing is turned on when it removes at least 10 % of the padding, or when rows without it would be under half
 the sequence length. LoRA rank and targets stay as you give them.
-On Llama and Qwen2 (where they were measured) each decoder layer is compiled when Triton is installed (CUDA builds
-of PyTorch bring it; --compile none leaves it out), else Liger's kernels are used when liger-kernel is installed
-(--kernels torch leaves them out; --kernels liger picks them over compiling).
+On Llama (where it was measured) each decoder layer is compiled when Triton is installed (CUDA builds of PyTorch
+bring it; --compile none leaves it out), else, on Llama and Qwen2, Liger's kernels are used when liger-kernel is
+installed (--kernels torch leaves them out; --kernels liger picks them over compiling).
 Only what `fitune train` runs today is proposed; memory is fitune's estimate (the plans shown are confirmed with
-the full estimate), speed a model calibrated on 144 measured H200 steps of 7 models (docs/plan.md).
+the full estimate), speed a model calibrated on 141 measured H200 steps of 7 models (docs/plan.md).
 
 Output: the ranked plans (memory, predicted tokens/s, what each turns on), one line for each faster option that
 does not fit, and when nothing fits: the smallest requirement and the changes that would fit.
