@@ -280,3 +280,31 @@ def test_to_device_pins_and_does_not_block_only_for_a_cpu_tensor_going_to_cuda()
     calls = []
     to_device(Fake("cpu", calls), torch.device("cpu"))
     assert calls == [("to", "cpu", False)]
+
+
+def test_a_step_whose_gradients_are_all_zero_stops_before_the_optimizer():
+    """`check_gradients` (fitune train's first step): a model whose trainable parameters all get zero gradients -
+    what compiled layers did on CUDA with the earlier lean LoRA branch - raises before the optimizer runs, with what
+    to do; the same step with real gradients passes, and so does LoRA at initialisation (B = 0: A's gradients are
+    zero, B's are not)."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    model = _model()
+    opt = _KeepGrads(model)
+    handles = [p.register_hook(lambda g: torch.zeros_like(g)) for p in _trainable(model)]
+    with pytest.raises(FituneError, match="zero gradient.*compile: none"):
+        train_step(model, opt, [_batch(ids)], loss="chunked", num_items=22, check_gradients=True)
+    assert opt.seen is None  # the optimizer never ran
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    train_step(model, opt, [_batch(ids)], loss="chunked", num_items=22, check_gradients=True)
+    assert opt.seen is not None
+    fresh = wrap_lora(transformers.LlamaForCausalLM(model.get_base_model().config), 8, ["q_proj", "v_proj"]).train()
+    opt = _KeepGrads(fresh)
+    train_step(fresh, opt, [_batch(ids)], loss="chunked", num_items=22, check_gradients=True)
+    assert not any(g.any() for n, g in opt.seen.items() if "lora_A" in n)  # B = 0: no gradient reaches A yet
+    # a step without a trained token has nothing to learn from: not checked
+    zero = _model()
+    zero.zero_grad(set_to_none=True)
+    train_step(zero, _KeepGrads(zero), [_batch(ids, trained_from=12)], loss="chunked", num_items=0,
+               check_gradients=True)

@@ -176,3 +176,38 @@ def test_bad_data_line_is_reported_by_number(workspace, tmp_path, capsys):
     assert main(["train", cfg, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "line 3" in err and "Traceback" not in err
+
+
+def test_a_run_whose_first_step_trains_nothing_stops_with_what_to_do(workspace, tmp_path, capsys, monkeypatch):
+    """The first step's gradients are checked (fitune.runtime.step.require_gradients), once per process: a model
+    whose LoRA gradients all come out zero - the compiled-layer bug of torch 2.11 on CUDA - ends the run with one
+    message and exit code 2 before its optimizer steps, not 30 steps of a loss that looks fine."""
+    import fitune.runtime.step as step_mod
+
+    calls = []
+    real = step_mod.require_gradients
+    monkeypatch.setattr(step_mod, "require_gradients", lambda model: (calls.append(1), real(model))[1])
+    root, model, data, _ = workspace
+    cfg = write_config(str(tmp_path / "ok.yaml"), model=model, data={"path": data}, max_steps=3, seq_len=32,
+                       output_dir=str(tmp_path / "ok"))
+    assert main(["train", cfg, "--no-progress"]) == 0
+    assert calls == [1]  # the first step only
+
+    from fitune.runtime import model as model_mod
+
+    wrap = model_mod.wrap_lora
+
+    def zero_gradient_lora(*args, **kwargs):
+        wrapped = wrap(*args, **kwargs)
+        for p in wrapped.parameters():
+            if p.requires_grad:
+                p.register_hook(torch.zeros_like)
+        return wrapped
+
+    monkeypatch.setattr(model_mod, "wrap_lora", zero_gradient_lora)
+    cfg = write_config(str(tmp_path / "zero.yaml"), model=model, data={"path": data}, max_steps=3, seq_len=32,
+                       output_dir=str(tmp_path / "zero"))
+    assert main(["train", cfg, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "zero gradient" in err and "compile: none" in err and "Traceback" not in err
+    assert not os.path.exists(os.path.join(tmp_path, "zero", "metrics.jsonl")) or not _losses(str(tmp_path / "zero"))

@@ -112,7 +112,7 @@ def without_default_inputs(inputs: dict) -> dict:
 def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "hf", recipe: bool = False,
                num_items: int | None = None, scaler=None, max_grad_norm: float | None = None,
                phase: PhaseHook | None = None, before_micro_batch: Callable[[int], None] | None = None,
-               keep_outputs: bool = False) -> StepStats:
+               keep_outputs: bool = False, check_gradients: bool = False) -> StepStats:
     """One optimizer step over `micro_batches` (gradient accumulation when there are several).
 
     Args:
@@ -129,6 +129,8 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
         before_micro_batch: called with the micro-batch's index before its forward (tests inject faults here).
         keep_outputs: with `recipe`, the loop people write: `out = model(**batch); out.loss.backward()` - the whole
             output (its bf16 logits) stays referenced through backward and the optimizer step.
+        check_gradients: before the optimizer step, make sure some trainable parameter got a non-zero gradient
+            (`require_gradients`; one host sync: `fitune train` checks its first step).
     Raises:
         whatever the model raises (an out-of-memory error included: `fitune.runtime.oom.is_oom` tells it; the
         caller frees the step: `optimizer.zero_grad(set_to_none=True)`).
@@ -154,6 +156,8 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
         if recipe:  # a user's `loss` variable lives on through opt.step(), and so does what its graph still holds
             users_loss = loss_t  # (with checkpointing 2 x hidden x tokens; measured: bench/results/hf_recipe)
         del loss_t  # fitune frees the graph's last references before the next micro-batch and the optimizer step
+    if check_gradients and num_items != 0:  # a step with no trained token has nothing to learn from anyway
+        require_gradients(model)
     with phase("optimizer"):
         if scaler is not None:
             scaler.unscale_(optimizer)  # clipping sees the true gradients
@@ -171,6 +175,30 @@ def train_step(model, optimizer, micro_batches: Sequence[Any], *, loss: str = "h
         del users_loss, users_out
     return StepStats(loss=total.item() if total is not None else 0.0, micro_batches=n, loss_scale_before=scale_before,
                      loss_scale=scale_after)
+
+
+def require_gradients(model) -> None:
+    """Raise `FituneError` when every trainable parameter's gradient is zero after backward.
+
+    A step like that trains nothing while its loss looks normal. It happened: compiled layers on CUDA (torch 2.11)
+    with an earlier lean LoRA branch gave every LoRA gradient as zero (bench/results/speed/zero_grads/). LoRA's B
+    starts at zero, so at the first step A's gradients are zero by design, but B's are not. One `amax` and one
+    `amin` per parameter (no tensor of a gradient's size is made), read back once. Each process checks its own
+    gradients (a sharded one, its shard)."""
+    from ..errors import FituneError
+
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2's DTensor: this rank's shard
+    grads = [g for g in grads if g.numel()]
+    if not grads:  # none to read: an engine such as DeepSpeed's ZeRO keeps the gradients in its own buffers
+        return
+    if bool(torch.stack([torch.stack([g.amax(), g.amin()]).ne(0).any() for g in grads]).any()):
+        return
+    raise FituneError(
+        "the step's backward gave every trainable parameter a zero gradient, although it "
+        "had tokens to train on: nothing would learn. Run it again with `compile: none` (compiled layers are the "
+        "case seen so far) and, if it persists, check that the model's trainable parameters are used in its "
+        "forward; please report it with the config")
 
 
 @contextlib.contextmanager

@@ -219,7 +219,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # per-step peaks in metrics.jsonl
             loss = _step_with_oom_guard(cfg, engine.step_model, optimizer, scaler, stream, batches, plan, step, fault,
-                                        device)
+                                        device, check_gradients=not losses)  # the process's first step
             scheduler.step()
             step += 1
             stream_before_step = stream.state_dict()  # this step is done: its data is consumed
@@ -280,15 +280,17 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
 # ---- one optimizer step ----------------------------------------------------------------------------------
 
 
-def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device) -> float:
-    """Run the step; on an out-of-memory error free it, re-plan and run the same data again."""
+def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, device,
+                         check_gradients: bool = False) -> float:
+    """Run the step; on an out-of-memory error free it, re-plan and run the same data again. `check_gradients`:
+    stop if no trainable parameter got a gradient (`fitune.runtime.step.require_gradients`)."""
     from ..parallel import ranks
     from ..runtime.device import release_memory
     from ..runtime.oom import is_oom
 
     while True:
         try:
-            return _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault)
+            return _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, check_gradients)
         except Exception as exc:  # noqa: BLE001 - only OOM is handled; anything else propagates
             if not (cfg.oom_guard and is_oom(exc)) or ranks.current().distributed:  # [parallel] a re-plan on one
                 raise                                                 # rank alone would leave the others waiting
@@ -305,7 +307,8 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
                   file=sys.stderr)
 
 
-def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault) -> float:
+def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault,
+                    check_gradients: bool = False) -> float:
     """The step's batches split into the plan's micro-batches, through the runtime's one training step."""
     from ..parallel.data import rank_micro_batches
     from ..parallel.ranks import mean
@@ -315,7 +318,7 @@ def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, 
     # loss = summed token losses / the step's trained tokens; [parallel] this rank's slice of the global batch
     micro, num_items = rank_micro_batches(stream, batches, plan.micro_batch_size)
     stats = train_step(model, optimizer, micro, loss=step_loss(model, cfg.setup.loss), num_items=num_items,
-                       scaler=scaler, max_grad_norm=cfg.max_grad_norm,
+                       scaler=scaler, max_grad_norm=cfg.max_grad_norm, check_gradients=check_gradients,
                        before_micro_batch=None if fault is None else lambda i: fault(step, i))
     if stats.overflowed:
         print(f"\nfitune: fp16 overflow at step {step + 1}; loss scale {stats.loss_scale_before:g} -> "
