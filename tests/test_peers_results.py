@@ -60,17 +60,28 @@ def test_readme_unsloth_against_the_trainer_is_the_record():
             ).replace("%", " %") in readme
 
 
+WITHDRAWN = ("run2", "run3/call_a", "run3")
+"""Calls 2, 3 and 4: fitune's compiled layers there had zero LoRA gradients; the peers' lines stand."""
+
+
+def _hf_liger_by_call():
+    """Calls 1 to 4, in order: each HF + Liger stack's tokens/s (call 1: its fastest case that fit)."""
+    calls = [{s: _best(s)["tokens_per_s"] for s in ("hf_loop_liger", "hf_trainer_liger")}]
+    for folder in WITHDRAWN:
+        calls.append({r["stack"]: r["tokens_per_s"] for r in _lines(f"{folder}/peers.jsonl")
+                      if "liger" in r["stack"] and r["fits"]})
+    return calls
+
+
 def test_readme_withdrawn_calls_are_the_record():
-    """Calls 2 to 4 (bench/results/peers/run2/, run3/call_a/, run3/) ran fitune's compiled layers with zero LoRA
-    gradients; the README withdraws fitune's figures of them and states each as measured, with its ratio."""
+    """The README withdraws fitune's figures of calls 2 to 4 and states each as measured, with its ratio."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().replace("\n", " ")
     figures, ratios = [], []
-    for folder in ("run2", "run3/call_a", "run3"):
+    for folder, peers in zip(WITHDRAWN, _hf_liger_by_call()[1:]):
         fitune = _lines(f"{folder}/rank_check.jsonl")[0]
         assert fitune["exit"] == 0 and fitune["plan"] == 1
-        peers = [r for r in _lines(f"{folder}/peers.jsonl") if "liger" in r["stack"]]
         figures.append(f"{fitune['tokens_per_s_median']:,.0f}")
-        ratios.append(f"{fitune['tokens_per_s_median'] / max(r['tokens_per_s'] for r in peers):.2f}x")
+        ratios.append(f"{fitune['tokens_per_s_median'] / max(peers.values()):.2f}x")
     assert (f"({figures[0]} tokens/s in call 2, {figures[1]} and {figures[2]} in calls 3 and 4: {ratios[0]}, "
             f"{ratios[1]} and {ratios[2]} HF + Liger)") in readme
 
@@ -95,22 +106,14 @@ def test_readme_fifth_call_is_the_record():
     flat = readme.replace("\n", " ")
     assert f"fitune is **{to_loop:.2f}x** the plain loop with Liger and **{to_unsloth:.2f}x** Unsloth" in flat
     assert f"on the seeds' workload {to_loop:.2f}x HF + Liger and {to_unsloth:.2f}x Unsloth in one call" in flat
-    # against the fastest HF + Liger figure of any call (the first call's records and run2 / run3's peers)
-    others = [r["tokens_per_s"] for r in _lines("peers.jsonl") if "liger" in r["stack"] and r["fits"]]
-    for folder in ("run2", "run3/call_a", "run3"):
-        others += [r["tokens_per_s"] for r in _lines(f"{folder}/peers.jsonl") if "liger" in r["stack"] and r["fits"]]
-    best = max(others)
+    calls = _hf_liger_by_call()  # against the fastest HF + Liger figure of any call before
+    best = max(max(c.values()) for c in calls)
     assert f"({best:,.0f}, call 1) fitune's {fitune['tokens_per_s_median']:,.0f} is " \
            f"{fitune['tokens_per_s_median'] / best:.2f}x" in flat
     assert 1.2 < fitune["tokens_per_s_median"] / best < 1.2 * 1.08  # above the goal, within the noise: as said
-    loops = [_best("hf_loop_liger")["tokens_per_s"]] + [
-        r["tokens_per_s"] for f in ("run2", "run3/call_a", "run3") for r in _lines(f"{f}/peers.jsonl")
-        if r["stack"] == "hf_loop_liger"]
+    loops = [c["hf_loop_liger"] for c in calls]
     assert f"calls 1 to 4 ({min(loops):,.0f} to {max(loops):,.0f})" in flat
-    trainer_to_loop = [_best("hf_trainer_liger")["tokens_per_s"] / _best("hf_loop_liger")["tokens_per_s"]]
-    for f in ("run2", "run3/call_a", "run3"):
-        by = {r["stack"]: r["tokens_per_s"] for r in _lines(f"{f}/peers.jsonl")}
-        trainer_to_loop.append(by["hf_trainer_liger"] / by["hf_loop_liger"])
+    trainer_to_loop = [c["hf_trainer_liger"] / c["hf_loop_liger"] for c in calls]
     assert f"made {min(trainer_to_loop):.2f} to {max(trainer_to_loop):.2f} times the plain loop's" in flat
 
 
