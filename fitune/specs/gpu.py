@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -68,6 +69,9 @@ class GpuSpec:
     host_link_gb_s: float | None = None
     """GB/s between the GPU and host memory, each way (its PCIe link): what ZeRO-Offload's transfers run at.
     Assumed from the PCIe generation (`PCIE_GB_S`)."""
+    note: str = ""
+    """How the name given was read, when it was not a catalog name as written (`RTX 4090` -> rtx4090, `24GB` -> a
+    24 GB card, `24GiB` -> exactly that for the allocator): printed beside the verdict."""
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -103,39 +107,41 @@ def catalog_gpu_names() -> list[str]:
 def resolve_gpu(text: str, flag: str = "--gpu") -> GpuSpec:
     """`rtx4090` -> the catalog entry; `24GiB` / `23.4GiB` -> that many bytes for the allocator.
 
+    Names as people write them resolve to the catalog card too (`catalog_gpu_key`): `4090`, `RTX 4090`, the name
+    `nvidia-smi` prints (`NVIDIA GeForce RTX 4090`, `NVIDIA A100-SXM4-80GB`, `NVIDIA H100 80GB HBM3`). A card's size
+    as it is sold, `24GB`, is the smallest catalog card of that size (the budget its CUDA context leaves), while
+    `24GiB` is exactly what the allocator may use; the GpuSpec's `note` says which reading was taken.
+
     `flag` is how errors name the value (`--gpu`, `--cap`, `cap:`)."""
     if not text.strip():
         raise UnknownGpuError(f"{flag} is empty; name a GPU (rtx4090, a100-80gb, ...: fitune estimate --list-gpus) "
                               "or the memory PyTorch may use, e.g. 23.4GiB")
     key = text.strip().lower()
     catalog = gpu_catalog()
-    if key in catalog:
-        e = catalog[key]
-        total = int(e["total_memory_mib"]) * MiB
-        cc = str(e.get("compute_capability", ""))
-        return GpuSpec(
-            name=key,
-            total_bytes=total,
-            allocator_budget_bytes=total - cuda_context_bytes(cc),
-            display_name=e.get("display_name", key),
-            compute_capability=cc,
-            peak_bf16_tflops=e.get("peak_bf16_dense_tflops"),
-            memory_bandwidth_gb_s=e.get("memory_bandwidth_gb_s"),
-            supports_bf16=bool(e.get("supports_bf16", True)),
-            source=e.get("source", ""),
-            link_gb_s=e.get("link_gb_s"),
-            link_source=e.get("link_source", ""),
-            host_link_gb_s=PCIE_GB_S.get(e.get("pcie") or "", PCIE_GB_S["5.0 x16"]),
-        )
+    found = catalog_gpu_key(text)
+    if found is not None:
+        note = "" if found == key else f"{text.strip()!r} read as {found} ({catalog[found].get('display_name', found)})"
+        return _catalog_gpu(found, note)
     budget = parse_memory_bytes(text)
     if budget is not None:
         if budget <= 0:
             raise UnknownGpuError(f"{flag} {text}: a memory budget must be positive")
         name = "".join(text.split())  # `24 GiB` -> `24GiB`: the name is quoted in comments, one line
-        return GpuSpec(name=name, total_bytes=budget, allocator_budget_bytes=budget, display_name=f"{name} budget")
+        return GpuSpec(name=name, total_bytes=budget, allocator_budget_bytes=budget, display_name=f"{name} budget",
+                       note=_budget_note(name, budget))
     if is_decimal_unit(text):
+        card = card_of_size(text)
+        if card is not None:
+            e = catalog[card]
+            return _catalog_gpu(card, f"{text.strip()!r} read as a card sold as {text.strip()}: {card} "
+                                      f"({e.get('display_name', card)}, {e['total_memory_mib']:,} MiB), the smallest "
+                                      "catalog card of that size; give the card's name, or the allocator's budget "
+                                      f"in GiB (`{flag} {_catalog_gpu(card).allocator_budget_bytes / GiB:.1f}GiB`), "
+                                      "to be exact")
         raise UnknownGpuError(
-            f"{flag} {text}: fitune's budgets are 1024-based; write GiB or MiB (e.g. `{flag} 23.4GiB`), not GB/MB"
+            f"{flag} {text}: no catalog card is sold with that much memory; name the card (fitune estimate "
+            f"--list-gpus), or give the memory PyTorch may use in GiB (fitune's budgets are 1024-based: e.g. "
+            f"`{flag} 23.4GiB`)"
         )
     close = difflib.get_close_matches(key, list(catalog), n=4, cutoff=0.5)
     known = ", ".join(close or sorted(catalog))
@@ -143,3 +149,97 @@ def resolve_gpu(text: str, flag: str = "--gpu") -> GpuSpec:
         f"{flag} {text!r} is not a known GPU; {'closest' if close else 'known'}: {known}; "
         f"or pass the memory PyTorch may use, e.g. `{flag} 23.4GiB`"
     )
+
+
+def _catalog_gpu(key: str, note: str = "") -> GpuSpec:
+    e = gpu_catalog()[key]
+    total = int(e["total_memory_mib"]) * MiB
+    cc = str(e.get("compute_capability", ""))
+    return GpuSpec(
+        name=key,
+        total_bytes=total,
+        allocator_budget_bytes=total - cuda_context_bytes(cc),
+        display_name=e.get("display_name", key),
+        compute_capability=cc,
+        peak_bf16_tflops=e.get("peak_bf16_dense_tflops"),
+        memory_bandwidth_gb_s=e.get("memory_bandwidth_gb_s"),
+        supports_bf16=bool(e.get("supports_bf16", True)),
+        source=e.get("source", ""),
+        link_gb_s=e.get("link_gb_s"),
+        link_source=e.get("link_source", ""),
+        host_link_gb_s=PCIE_GB_S.get(e.get("pcie") or "", PCIE_GB_S["5.0 x16"]),
+        note=note,
+    )
+
+
+#: Words of a GPU's marketing or `nvidia-smi` name that do not tell cards of the catalog apart.
+_NOISE_WORDS = re.compile(r"nvidia|geforce|tesla|generation|\(hgx\)|hgx|hbm3e?|sxm[0-9]?|graphics|gpu")
+
+
+def _compact(name: str) -> str:
+    """`NVIDIA GeForce RTX 4090` -> `rtx4090`; `NVIDIA A100-SXM4-80GB` -> `a10080gb`: letters and digits only."""
+    return re.sub(r"[^a-z0-9]", "", _NOISE_WORDS.sub("", name.lower()))
+
+
+def catalog_gpu_key(text: str) -> str | None:
+    """The catalog key of a GPU named as people write it, or None.
+
+    Tried in order: the key itself; the name without vendor words, spaces and dashes, against each key and each
+    display name (`RTX 4090`, `NVIDIA GeForce RTX 4090`, `NVIDIA H100 80GB HBM3`, `NVIDIA A100-SXM4-80GB`); the same
+    without a trailing memory size or `pcie` when that leaves one card (`RTX 4090 24GB`, `NVIDIA A100 80GB PCIe`);
+    a bare model number (`4090` -> rtx4090). Never a guess between two cards: an ambiguous name gives None.
+    """
+    catalog = gpu_catalog()
+    key = text.strip().lower()
+    if key in catalog:
+        return key
+    compact = _compact(text)
+    if not compact:
+        return None
+    index: dict[str, set[str]] = {}
+    for k, e in catalog.items():
+        for name in (k, e.get("display_name", "")):
+            for form in (_compact(name), _compact(_SIZE.sub("", name.lower()))):
+                if form:
+                    index.setdefault(form, set()).add(k)
+    unsized = _compact(_SIZE.sub("", text.lower()))
+    tries = [compact, unsized, re.sub(r"pcie$", "", unsized)]
+    if compact.isdigit():
+        tries.append("rtx" + compact)
+    size = _SIZE.search(text.lower())
+    for form in tries:
+        keys = index.get(form, set())
+        if size and len(keys) > 1:  # `a100 80gb pcie` -> the 80 GB one
+            keys = {k for k in keys if f"{size.group(1)}gb" in k} or keys
+        if len(keys) == 1:
+            return next(iter(keys))
+    return None
+
+
+#: A memory size inside a GPU's name: `80GB`, `-24GB`, ` 16 GB`.
+_SIZE = re.compile(r"[-_ ]?(\d+)\s*gb\b")
+
+
+def card_of_size(text: str) -> str | None:
+    """The catalog card sold as `text` (`24GB`: its memory is within 1 GiB of 24 GiB, as a 24,564 MiB RTX 4090 is),
+    the smallest if several are (its budget is the one a run of that size can count on); None when none is."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*gb\s*", text.lower())
+    if not m:
+        return None
+    size_gib = float(m.group(1))
+    cards = [(int(e["total_memory_mib"]), k) for k, e in gpu_catalog().items()
+             if abs(int(e["total_memory_mib"]) / 1024 - size_gib) < 1.0]
+    return min(cards)[1] if cards else None
+
+
+def _budget_note(name: str, budget_bytes: int) -> str:
+    """What a bare `NGiB` means, beside the card of that size (the CUDA context takes its share of a real card)."""
+    card = card_of_size(f"{round(budget_bytes / GiB)}GB") if budget_bytes % GiB == 0 else None
+    if card is None:
+        return ""
+    c = _catalog_gpu(card)
+    if c.allocator_budget_bytes == budget_bytes:
+        return ""
+    return (f"{name} is the memory PyTorch's allocator may use, taken as given; a card of that size leaves less: "
+            f"{card} ({c.total_bytes / GiB:.1f} GiB) leaves {c.allocator_budget_bytes / GiB:.1f} GiB after its CUDA "
+            f"context (`--gpu {card}`)")
