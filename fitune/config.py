@@ -1,7 +1,7 @@
 """TrainConfig: everything `fitune train` needs; its YAML is the saved form.
 
 ```yaml
-model: path/to/hf-model-folder      # or a catalog name with `init: random` (and `tokenizer:`)
+model: path/to/hf-model-folder      # or model.gguf, or a Hub id (org/name); a catalog name with `init: random`
 data: {path: train.jsonl, format: chat, eval_path: eval.jsonl}
 method: lora
 lora: {rank: 8, alpha: 16, dropout: 0.0, targets: [q_proj, v_proj]}
@@ -23,33 +23,40 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from .data.formats import FORMAT_ALIASES as _FORMAT_ALIASES, FORMATS as DATA_FORMATS
 from .errors import ConfigError
 from .schema import (Key, Problems, key, keys_of, label, to_mapping, values_from_args, values_from_mapping)
 from .setup import SETUP_KEYS, TrainSetup
 
 SCHEDULES = ("cosine", "linear", "constant")
-DATA_FORMATS = ("chat", "completion", "text")
 LOGGERS = ("tensorboard", "wandb")
 _SCHEDULE_ALIASES = {"constant_with_warmup": "constant", "cosine_with_warmup": "cosine", "linear_with_warmup": "linear",
                      "cosine_with_restarts": "cosine"}
-_FORMAT_ALIASES = {"messages": "chat", "conversation": "chat", "sharegpt": "chat", "prompt_completion": "completion",
-                   "alpaca": "completion", "pretrain": "text", "raw": "text"}
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = key("", yaml="data.path", flag="--data", kind="str",
-                    help="training data: .jsonl, .json, .parquet, or a saved Hugging Face dataset folder")
+                    help="training data: .jsonl, .json, .csv, .tsv, .txt, .parquet, a saved Hugging Face dataset "
+                         "folder, or a Hub data set id ORG/NAME (read from the Hugging Face cache; docs/data.md)")
     format: str | None = key(None, yaml="data.format", flag="--data-format", kind="choice", choices=DATA_FORMATS,
                              aliases=_FORMAT_ALIASES, optional=True,
-                             help="chat | completion | text; detected from the records when omitted")
+                             help=" | ".join(DATA_FORMATS) + "; detected from the records when omitted")
     eval_path: str | None = key(None, yaml="data.eval_path", flag="--eval-data", kind="str", optional=True,
-                                help="evaluation data, same formats")
+                                help="evaluation data, same formats (a local file or folder; read whole)")
+    split: str = key("train", yaml="data.split", flag="--data-split", kind="str",
+                     help="the split to read of a Hub data set or of a saved DatasetDict folder")
+    subset: str | None = key(None, yaml="data.subset", flag="--data-subset", kind="str", optional=True,
+                             help="the subset (configuration name, load_dataset's name=) of a Hub data set")
+    streaming: bool = key(False, yaml="data.streaming", flag="--data-streaming", kind="bool",
+                          help="read records lazily as training needs them, never the whole set in memory; needs "
+                               "max_steps (the record count is unknown), records in file order (no shuffle)")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = key("", kind="str", help="a Hugging Face model folder, or a catalog name / config.json with "
+    model: str = key("", kind="str", help="a Hugging Face model folder, a .gguf file or a Hub id (org/name: from "
+                                          "the Hub cache, else downloaded), or a catalog name / config.json with "
                                           "init: random")
     setup: TrainSetup = dataclasses.field(default_factory=lambda: TrainSetup(stack="fitune"))
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -114,15 +121,13 @@ class TrainConfig:
         except ConfigError as exc:
             problems += exc.problems
         if not self.model:
-            problems.append(f"{name('model')} missing; give a Hugging Face model folder (or a catalog name with "
-                            "init: random)")
-        if self.init == "pretrained" and self.model and not os.path.isdir(self.model):
-            problems.append(f"{name('model')} {self.model!r} is not a folder; pretrained weights load from a Hugging "
-                            "Face model folder (for a catalog name use init: random and tokenizer:)")
-        if not self.data.path:
-            problems.append(f"{name('path')} missing; point it at a .jsonl / .json / .parquet file or a dataset folder")
-        elif not os.path.exists(self.data.path):
-            problems.append(f"{name('path')} {self.data.path} does not exist")
+            problems.append(f"{name('model')} missing; give a Hugging Face model folder, a .gguf file or a Hub id "
+                            "(or a catalog name with init: random)")
+        if self.init == "pretrained" and self.model:
+            problem = _pretrained_source_problem(self.model, name("model"))
+            if problem:
+                problems.append(problem)
+        problems += _data_problems(self, name)
         if self.data.eval_path and not os.path.exists(self.data.eval_path):
             problems.append(f"{name('eval_path')} {self.data.eval_path} does not exist")
         if (self.max_steps is None) == (self.epochs is None):
@@ -135,7 +140,7 @@ class TrainConfig:
                 resolve_gpu(str(self.cap), name("cap").rstrip(":"))
             except UnknownGpuError as exc:
                 problems.append(str(exc))
-        if self.init == "random" and not self.tokenizer and not (self.model and os.path.isdir(self.model)):
+        if self.init == "random" and not self.tokenizer and not (self.model and _has_tokenizer(self.model)):
             problems.append(f"{name('tokenizer')} needed with init: random and a catalog model (a tokenizer folder)")
         if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             problems.append(f"{name('output_dir')} {self.output_dir} is a file; give a folder")
@@ -164,6 +169,31 @@ class TrainConfig:
         return to_mapping(flat_values(self), ALL_KEYS, keep_none=[f for f, v in defaults.items() if v is not None])
 
 
+def _data_problems(cfg: "TrainConfig", name) -> list[str]:
+    """data.path (a local source, or a Hub data set id ORG/NAME) and what streaming needs."""
+    from .data.hub import is_hub_id
+    from .data.read import SUFFIXES
+
+    data = cfg.data
+    problems = []
+    if not data.path:
+        problems.append(f"{name('path')} missing; point it at a .jsonl / .json / .csv / .tsv / .txt / .parquet file, "
+                        "a dataset folder or a Hub data set id ORG/NAME")
+    elif not os.path.exists(data.path) and not is_hub_id(data.path, SUFFIXES):
+        problems.append(f"{name('path')} {data.path} does not exist (a Hub data set id is written ORG/NAME)")
+    if data.subset is not None and data.path and os.path.exists(data.path):
+        problems.append(f"{name('subset')} {data.subset!r} names a subset of a Hub data set, but "
+                        f"{name('path').rstrip(':')} {data.path} is a local file or folder; remove it")
+    if not data.split.strip():
+        problems.append(f"{name('split')} is empty; give a split name (default: train)")
+    if data.streaming:
+        if cfg.epochs is not None:
+            problems.append(f"{name('epochs')} {cfg.epochs:g} cannot be counted with {name('streaming').rstrip(':')} "
+                            "true: records are read as training needs them, so how many make an epoch is not known "
+                            f"up front; give {name('max_steps').rstrip(':')} instead")
+    return problems
+
+
 #: Files a model folder's weights come in (transformers 5 loads safetensors and PyTorch pickles).
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -184,16 +214,47 @@ def _output_dir_problems(output_dir: str) -> list[str]:
     return []
 
 
+def _pretrained_source_problem(model: str, key: str) -> str | None:
+    """Why `model` cannot give pretrained weights (None when it can): a model folder, a .gguf file, or a Hub id
+    that is in the Hub cache or can be downloaded (not when HF_HUB_OFFLINE is set)."""
+    from .specs.sources import cached_hub_snapshot, hub_offline, is_gguf_path, is_hub_id, not_cached_message
+
+    if os.path.isdir(model) or os.path.isfile(model) and is_gguf_path(model):
+        return None
+    if is_hub_id(model):
+        if hub_offline() and cached_hub_snapshot(model) is None:
+            return not_cached_message(model, key)
+        return None  # cached, or downloaded when the run starts
+    return (f"{key} {model!r} is not a folder, a .gguf file or a Hub id (org/name); pretrained weights load from one "
+            "of those (for a catalog name use init: random and tokenizer:)")
+
+
+def _has_tokenizer(model: str) -> bool:
+    """Whether `model` carries a tokenizer: a model folder, a .gguf file, a Hub id."""
+    from .specs.sources import is_gguf_path, is_hub_id
+
+    return os.path.isdir(model) or os.path.isfile(model) and is_gguf_path(model) or is_hub_id(model)
+
+
 def preflight_problems(cfg: "TrainConfig") -> list[str]:
-    """What stops `fitune train` from loading the model folder, said before the run starts rather than after the
-    tokenizer and the data are read: no config.json, or no weights file for init: pretrained. (A config naming such
-    a folder is still valid: the files may be downloaded later.)"""
-    if not os.path.isdir(cfg.model):
+    """What stops `fitune train` from loading the model, said before the run starts rather than after the
+    tokenizer and the data are read: a folder (or a Hub id's cached snapshot) without config.json, or without a
+    weights file for init: pretrained; a Hub id that is not cached while HF_HUB_OFFLINE is set. (A config naming
+    such a model is still valid: the files may be downloaded later.)"""
+    from .specs.sources import cached_hub_snapshot, hub_offline, is_hub_id, not_cached_message
+
+    folder = cfg.model
+    if is_hub_id(cfg.model):
+        folder = cached_hub_snapshot(cfg.model)
+        if folder is None:  # downloaded when the run starts, unless offline
+            return [not_cached_message(cfg.model)] if hub_offline() else []
+    if not os.path.isdir(folder):
         return []
-    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+    if not os.path.isfile(os.path.join(folder, "config.json")):
         return [f"model: {cfg.model} is a folder without a config.json; point model: at a Hugging Face model folder"]
-    if cfg.init == "pretrained" and not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(cfg.model)):
-        return [f"model: {cfg.model} holds no weights (no .safetensors or .bin file); download the model's weights "
+    if cfg.init == "pretrained" and not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(folder)):
+        where = cfg.model if folder == cfg.model else f"{cfg.model} (cached at {folder})"
+        return [f"model: {where} holds no weights (no .safetensors or .bin file); download the model's weights "
                 "into it, or use init: random (and tokenizer:) for a smoke run"]
     return []
 
@@ -206,6 +267,11 @@ def _model_problems(cfg: "TrainConfig", name, origin: dict[str, str]) -> list[st
 
     if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
         return []  # nothing to check yet (`preflight_problems` refuses to train from it)
+    from .specs.model import catalog_key_for_hub_id
+    from .specs.sources import cached_hub_file, is_hub_id
+
+    if is_hub_id(cfg.model) and cached_hub_file(cfg.model) is None and catalog_key_for_hub_id(cfg.model) is None:
+        return []  # its config.json comes with the download when the run starts (offline: `validate` said so)
     try:
         src = resolve_model_source(cfg.model)
     except FituneError as exc:

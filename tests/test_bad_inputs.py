@@ -446,13 +446,13 @@ def _train_issue_cases() -> list[Case]:
         ("init-random-no-tokenizer", {"model": "llama-3.1-8b", "init": "random"}, "tokenizer"),
         ("data-missing", {"data": {"path": "@D@/nope.jsonl"}}, "nope.jsonl"),
         ("eval-data-missing", {"data": {"path": "@DATA@", "eval_path": "@D@/nope.jsonl"}}, "data.eval_path"),
-        ("data-unknown-suffix", {"data": "@D@/train.csv"}, "train.csv"),
+        ("data-unknown-suffix", {"data": "@D@/train.xlsx"}, "train.xlsx"),
         ("data-empty-file", {"data": "@D@/empty.jsonl"}, "empty.jsonl"),
         ("data-folder-not-dataset", {"data": "@D@/datadir"}, "datadir"),
         ("cap-bogus", {"cap": "rtx9999"}, "cap"),
         ("cap-negative", {"cap": "-5GiB"}, "cap"),
         ("cap-zero", {"cap": "0GiB"}, "cap"),
-        ("cap-decimal-units", {"cap": "24GB"}, "cap"),
+        ("cap-decimal-units", {"cap": "7GB"}, "cap"),  # no card is sold with 7 GB (24GB is a card)
         ("foreign-key", {"learning_rate": 1e-4}, "learning_rate"),
         ("unknown-nested-key", {"lora": {"rnk": 8}}, "lora.rnk"),
         ("lora-section-text", {"lora": "big"}, "lora"),
@@ -462,7 +462,7 @@ def _train_issue_cases() -> list[Case]:
         ("trust_remote_code-text", {"trust_remote_code": "yes please"}, "trust_remote_code"),
     ]
     out = []
-    extra = {"@D@/train.csv": "a,b\n", "@D@/empty.jsonl": "", "@D@/datadir/x.txt": "x", "@D@/noweights/config.json": TINY}
+    extra = {"@D@/train.xlsx": "a,b\n", "@D@/empty.jsonl": "", "@D@/datadir/x.txt": "x", "@D@/noweights/config.json": TINY}
     for cid, over, name in named:
         doc = copy.deepcopy(GOOD_TRAIN)
         for key, value in over.items():
@@ -555,7 +555,7 @@ def _flag_cases() -> list[Case]:
         out.append(Case(f"profile-flag-{flag}={vid}", ["profile", "@CFG@", "--device", "cpu", f"{flag}={value}"],
                         names=(flag,)))
     gpus = (("unknown", "rtx9999", "rtx9999"), ("empty", "", "--gpu"), ("zero", "0GiB", "positive"),
-            ("negative", "-5GiB", "-5GiB"), ("decimal-units", "24GB", "GiB"), ("words", "a big one", "a big one"),
+            ("negative", "-5GiB", "-5GiB"), ("decimal-units", "7GB", "GiB"), ("words", "a big one", "a big one"),
             ("nan", "nanGiB", "nanGiB"), ("huge-exponent", "1e999GiB", "1e999GiB"))
     for vid, value, name in gpus:
         out.append(Case(f"estimate-gpu-{vid}", ["estimate", "@CFG@", f"--gpu={value}"], names=(name,)))

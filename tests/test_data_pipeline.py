@@ -133,8 +133,9 @@ def test_chat_template_that_rewrites_earlier_turns_falls_back_to_the_content(tmp
         ("<|user|> hi </s> <|assistant|>", False),
         ("hello </s>", True),
         ("<|user|> how are you </s> <|assistant|>", False),
-        ("fine thanks", True),
-        ("! </s>", False),  # not found after the content: only the content is trained
+        # the last turn: the whole conversation is rendered, so the turn is what follows the text it shares with the
+        # same turn emptied, "! </s>" included (the template's end-of-turn: the model learns to stop)
+        ("fine thanks ! </s>", True),
     ]
     assert list(example.input_ids) == [i for words, _ in parts for i in _ids(shifty, words)]
     assert list(example.labels) == [i if t else IGNORE_INDEX for words, t in parts for i in _ids(shifty, words)]
@@ -332,9 +333,9 @@ def test_missing_and_empty_files(tmp_path):
     blank.write_text("\n  \n\n")
     with pytest.raises(DataError, match=r"blank.jsonl: no records"):
         read_records(str(blank))
-    (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(DataError, match=r"cannot read \.csv; fitune reads \.jsonl"):
-        read_records(str(tmp_path / "d.csv"))
+    (tmp_path / "d.xlsx").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"cannot read \.xlsx; fitune reads \.jsonl"):
+        read_records(str(tmp_path / "d.xlsx"))
     with pytest.raises(DataError, match="not a dataset saved with datasets' save_to_disk"):
         read_records(str(tmp_path))
 
@@ -388,8 +389,8 @@ def test_unknown_format(tok):
     keys = r"d.jsonl: no record has a known format; keys found: \['answer', 'input', 'question'\]"
     with pytest.raises(DataError, match=keys):
         detect_format(records, source="d.jsonl")
-    with pytest.raises(ConfigError, match=r"data.format: 'alpaca' is not a format"):
-        tokenize_records(records, tok, "alpaca", 64)
+    with pytest.raises(ConfigError, match=r"data.format: 'dolly' is not a format"):
+        tokenize_records(records, tok, "dolly", 64)
 
 
 def test_optional_readers_name_the_package(tmp_path):

@@ -306,7 +306,8 @@ PLAN_KEYS = {"rank", "setup", "micro_batch_size", "grad_accum", "packing", "peak
              "budget_bytes", "headroom_bytes", "fits", "retries_expected", "breakdown", "step_time_s", "tokens_per_s",
              "trained_tokens_per_s", "turns_on", "requires", "runnable", "num_gpus", "strategy", "tight",
              "method_change", "unvalidated", "unvalidated_reasons"}
-TOP_KEYS = {"model", "gpu", "num_gpus", "request", "plans", "rejected", "fits", "minimum", "changes", "search", "notes"}
+TOP_KEYS = {"model", "gpu", "num_gpus", "request", "plans", "rejected", "fits", "minimum", "changes", "search", "notes",
+            "source_note"}
 
 
 def test_cli_json_keys_are_stable(capsys):

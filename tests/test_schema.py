@@ -16,7 +16,8 @@ from fitune.setup import SETUP_KEYS, TrainSetup
 
 #: A value different from the default for every field, valid for its kind.
 SAMPLE = {
-    "model": None, "path": None, "format": "completion", "eval_path": None, "method": "freeze", "lora_rank": 16,
+    "model": None, "path": None, "format": "completion", "eval_path": None, "split": "validation", "subset": None,
+    "streaming": True, "method": "freeze", "lora_rank": 16,
     "lora_alpha": 32, "lora_dropout": 0.05, "lora_targets": ("q_proj", "k_proj"), "dtype": "fp16",
     "grad_checkpointing": "selective:1", "attn": "eager", "optimizer": "sgd", "batch_size": 3, "seq_len_tokens": 96,
     "freeze_trainable_layers": 4, "grad_accum": 5, "loss": "chunked", "tiled_mlp": True, "lean_lora": False,

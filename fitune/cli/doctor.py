@@ -173,8 +173,12 @@ def _run_data(args, worst_exit_code) -> int:
 
     import os
 
-    if not os.path.exists(args.data):
-        raise ConfigError(f"--data {args.data}: no such file; pass the .jsonl / .json file your training reads")
+    from ..data.hub import is_hub_id
+    from ..data.read import SUFFIXES
+
+    if not os.path.exists(args.data) and not is_hub_id(args.data, SUFFIXES):  # ORG/NAME: a Hub data set
+        raise ConfigError(f"--data {args.data}: no such file; pass the data file (or Hub data set id ORG/NAME) your "
+                          "training reads")
     if not args.tokenizer:
         raise ConfigError("--data needs --tokenizer DIR: the folder of the tokenizer your training uses "
                           "(a model folder)")

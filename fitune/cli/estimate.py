@@ -13,8 +13,9 @@ from ..units import gib
 DESCRIPTION = """\
 Estimate the peak GPU memory of one fine-tuning step, before running it.
 
-MODEL is a catalog name (llama-3.1-8b, qwen2.5-7b, mistral-7b, ... see --list-models), a config.json, or a
-Hugging Face model folder. The estimate models a plain transformers + PEFT training script (--stack hf) op by op
+MODEL is a catalog name (llama-3.1-8b, qwen2.5-7b, mistral-7b, ... see --list-models), a config.json, a
+Hugging Face model folder, a Hub id (its config.json from the Hub cache, else its catalog entry) or a .gguf file
+(its architecture from the GGUF metadata; the weights train dequantized to --dtype). The estimate models a plain transformers + PEFT training script (--stack hf) op by op
 and reports the bytes per category at the peak (weights, adapter weights, gradients, optimizer states, saved
 activations, logits and loss, transients, workspaces, allocator overhead), the peak of each phase, and with --gpu
 whether the run fits. Its error against 45 measured runs is in the README (bench/results/hf_recipe/).
@@ -65,7 +66,7 @@ def setup_from_args(args) -> TrainSetup:
 
 def run(args) -> int:
     from ..specs.gpu import catalog_gpu_names, gpu_catalog, resolve_gpu
-    from ..specs.model import load_model_spec, model_catalog
+    from ..specs.model import describe_source, load_model_spec, model_catalog
 
     if args.list_models:
         for name, entry in sorted(model_catalog().items()):
@@ -96,6 +97,8 @@ def run(args) -> int:
 
         suggestions = suggest_changes(model, setup, gpu, base=est)
     doc = estimate_to_json(est)
+    source_note = describe_source(model, setup.dtype, setup.method)
+    doc["source_note"] = source_note  # null for a catalog name or a local config.json (README, "JSON output")
     if gpu is not None:
         doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
                                "retries_expected": x.retries} for x in suggestions]
@@ -106,6 +109,8 @@ def run(args) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
+        if source_note:
+            print(f"model source: {source_note}")
         print(format_estimate(est, suggestions))
     return 0
 
@@ -216,6 +221,8 @@ def format_estimate(est, suggestions=()) -> str:
         lines.append("")
         lines.append(f"  {g.name}{' (each GPU)' if per_gpu else ''}: {gib(g.allocator_budget_bytes)} for PyTorch's "
                      f"allocator (of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")
+        if g.note:
+            lines.append(f"  ({g.note})")
         lines.append(f"  largest terms: {top}")
         if suggestions:
             lines.append("  changes that fit (one at a time):")

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = DEFAULT_SETUP
     p = subparsers.add_parser("plan", help="find the fastest training setup that fits a GPU",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="catalog name, config.json, or model folder")
+    p.add_argument("model", metavar="MODEL", help="catalog name, config.json, model folder, Hub id or .gguf file")
     p.add_argument("--gpu", required=True, metavar="NAME|NGiB",
                    help="a catalog GPU (rtx4090, a100-80gb, ...: fitune estimate --list-gpus) or the memory PyTorch "
                    "may use, e.g. 23.4GiB")
@@ -142,7 +142,7 @@ def run(args) -> int:
     from ..plan import PlanRequest, plan
     from ..plan.emit import hf_code, plan_yaml
     from ..specs.gpu import resolve_gpu
-    from ..specs.model import catalog_key, load_model_spec, model_catalog
+    from ..specs.model import catalog_key, describe_source, load_model_spec, model_catalog
 
     from .common import check_output_file, write_keeping_previous
 
@@ -194,6 +194,9 @@ def run(args) -> int:
         result = plan(req, progress=progress)
     elapsed = time.perf_counter() - t0
     notes = notes + kernel_notes + data_notes + batch_notes
+    source_note = describe_source(model, req.dtype)
+    if source_note:
+        notes = [f"model source: {source_note}"] + notes
     name = catalog_key(args.model)
     hf_id = model_catalog()[name].get("hf_id") if name else None
 
@@ -210,6 +213,7 @@ def run(args) -> int:
     maybe_write_html(args, "plan", result_to_json(result, elapsed, notes))
     if args.json:
         doc = result_to_json(result, elapsed, notes)
+        doc["source_note"] = source_note  # null for a catalog name or a local config.json (docs/plan.md)
         if args.write and result.plans:
             doc["written"] = args.write
             doc["kept_previous"] = kept_previous
@@ -247,7 +251,8 @@ def _write_caveats(args) -> str:
 
     out = []
     if not model_location(args.model)[1]:
-        out.append(f"set `model:` to a local folder of {args.model} (fitune train loads pretrained weights from a folder)")
+        out.append(f"set `model:` to a local folder, a .gguf file or the Hub id of {args.model} (fitune train loads "
+                   "pretrained weights from one of those)")
     if not args.data:
         out.append(f"`data.path: {PLACEHOLDER_DATA}` must exist")
     return "".join(f"\n  before that: {x}" for x in out)
@@ -284,18 +289,21 @@ def _read_data(args, model):
 
     from ..plan.data import choose_seq_len, profile_data
 
-    tokenizer = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
+    from ..specs.sources import is_gguf_path, is_hub_id
+
+    has_tokenizer = os.path.isdir(args.model) or is_gguf_path(args.model) or is_hub_id(args.model)
+    tokenizer = args.tokenizer or (args.model if has_tokenizer else None)
     if tokenizer is None:
         raise ConfigError(f"--data needs --tokenizer DIR (a folder with tokenizer.json); {args.model} is not a model "
-                          "folder to take it from")
-    if not os.path.exists(args.data):
+                          "folder, a .gguf file or a Hub id to take it from")
+    if not os.path.exists(args.data) and not is_hub_id(args.data):  # ORG/NAME: a Hub data set (fitune.data.hub)
         raise ConfigError(f"--data {args.data}: no such file")
     from .progress import progress_callback
 
     with progress_callback("plan: encoding --data", "record", enabled=not args.json) as progress:
         profile = profile_data(args.data, tokenizer, progress=progress)
     seq, truncated = choose_seq_len(profile, kept_setup(args).seq_len_tokens)
-    notes = [f"--data {args.data}: {profile.examples:,} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
+    notes = [f"--data {args.data}: {profile.examples:,} {profile.format} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
              f"{profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,} -> --seq-len {seq}"
              + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]
     return profile, seq, notes
@@ -318,6 +326,8 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
              f"  {req.batch_size} x {req.seq_len_tokens} tokens per step, {req.dtype}; "
              f"{kept_as_given(req.methods, req.lora_rank, req.lora_targets)}; searched {result.searched} setups "
              f"({result.estimated_fast} extrapolated + {result.estimated_full} full estimates) in {elapsed_s:.2f} s"]
+    if g.note:
+        lines.append(f"  ({g.note})")
     if result.plans:
         lines.append("")
         lines.append(f"  {'#':>2} {'tokens/s':>9s} {'allocated':>10s} {'reserved':>10s}   plan"

@@ -12,8 +12,9 @@ doctor and the planner report is what training trains on:
 
     scan = scan_file("train.jsonl", tokenizer, 2048)            # the same, bad records kept as data (doctor, plan)
 
-Modules: read.py (files -> records, bad lines by number), formats.py (chat | completion | text), encode.py (records
--> Examples and DataStats with the tokenizer), batch.py (packing, padding, BatchStream), stats.py (histogram,
+Modules: read.py (files and Hub ids -> records, bad lines by number), hub.py (Hub data set ids, from the cache),
+formats.py (the formats and their detection), convert.py (every format -> chat | completion | text), encode.py
+(records -> Examples and DataStats with the tokenizer), stream.py (batches from records read lazily), batch.py (packing, padding, BatchStream), stats.py (histogram,
 padding costs), scan.py (a whole file, leniently). Importing this package imports neither torch nor transformers;
 `collate` imports torch and `load_tokenizer` transformers when called.
 """

@@ -1,10 +1,13 @@
 """Encoding records into training examples: token ids and labels, with the model's own tokenizer.
 
-Formats (`fitune.data.formats.FORMATS`):
+Formats (`fitune.data.formats.FORMATS`) are first turned into one of three shapes (`fitune.data.convert`):
 - chat:       {"messages": [{"role": ..., "content": ...}, ...]} - rendered with the tokenizer's chat template; the
-              loss only on the tokens assistant turns add (their content and end-of-turn), everything else -100;
+              loss only on the tokens assistant turns add (their content and end-of-turn), everything else -100
+              (alpaca with a chat template, sharegpt, and conversational_completion - whose prompt's assistant turns
+              are not trained - become this);
 - completion: {"prompt": ..., "completion": ...} - the tokenizer's special prefix (e.g. <s>) and the prompt -100,
-              completion tokens (+ eos) trained;
+              completion tokens (+ eos) trained (alpaca without a chat template becomes this, with Stanford
+              Alpaca's prompt);
 - text:       {"text": ...} - the special prefix and every token (+ eos) trained.
 
 Labels follow transformers' convention: `ForCausalLMLoss` (transformers/loss/loss_utils.py) pads the labels with
@@ -23,12 +26,14 @@ Pure Python plus the tokenizer object it is given; `load_tokenizer` imports tran
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import ConfigError, DataError
-from .formats import FORMATS, detect_format
+from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise
+from .formats import FORMATS, canonical_format, detect_format
 from .read import RecordProblem, data_error, json_type, read_records, source_of, unit_of
 
 IGNORE_INDEX = -100
@@ -100,7 +105,7 @@ class DataStats:
     these properties."""
 
     format: str
-    """chat | completion | text: the format the records were read as."""
+    """One of `fitune.data.formats.FORMATS`: the format the records were read as (detected or data.format)."""
     seq_len_tokens: int
     """The length records were truncated to."""
     records: tuple[RecordTokens, ...] = ()
@@ -112,6 +117,9 @@ class DataStats:
     """The file the records came from."""
     unit: str = "line"
     """What the record numbers count: "line" or "record" (see `Records.unit`)."""
+    chat_template: bool = False
+    """The records were rendered with the tokenizer's chat template (chat, sharegpt, conversational_completion,
+    and alpaca with a tokenizer that has one)."""
 
     @property
     def examples(self) -> int:
@@ -210,6 +218,9 @@ def _empty_hint(fmt: str) -> str:
         "chat": "a conversation needs an assistant message",
         "completion": "the completion is empty",
         "text": "the text is empty",
+        "alpaca": "the output is empty",
+        "sharegpt": "a conversation needs a gpt (assistant) turn",
+        "conversational_completion": "the completion needs an assistant message",
     }[fmt]
 
 
@@ -217,23 +228,64 @@ def _empty_hint(fmt: str) -> str:
 # Tokenizer
 
 
-def load_tokenizer(folder: str) -> Any:
-    """The transformers tokenizer saved in `folder` (a model folder works), loaded without network access.
+def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "--tokenizer",
+                   download: bool = False) -> Any:
+    """The transformers tokenizer of `source`, loaded without network access: a tokenizer or model folder, a .gguf
+    file (the tokenizer stored in its metadata) or a Hub id from the Hub cache (`fitune.specs.sources.local_model`).
+
+    The one tokenizer loader: `fitune plan --data` and `fitune doctor --data` call it as it is, `fitune train`
+    (`fitune.runtime.model.load_tokenizer`) with `key="tokenizer:"` and `download=True` (a Hub id not in the cache
+    is downloaded first, unless HF_HUB_OFFLINE is set). `key` names the flag or YAML key in messages.
 
     Raises:
-        DataError: the folder is missing, transformers is not installed, or no tokenizer can be loaded from it.
+        DataError: `source` is none of those (or a Hub id that is not cached: the message gives the `hf download`
+            command), transformers is not installed, or no tokenizer can be loaded from it.
     """
-    if not os.path.isdir(folder):
-        raise DataError(f"--tokenizer {folder}: no such folder; pass a folder with tokenizer.json / "
-                        "tokenizer_config.json (a downloaded model folder works)")
+    from ..specs.sources import is_gguf_path, is_hub_id, local_model
+
+    source = str(source)
+    if not (os.path.isdir(source) or os.path.isfile(source) and is_gguf_path(source) or is_hub_id(source)):
+        raise DataError(f"{key} {source}: no such folder; pass a folder with tokenizer.json / tokenizer_config.json "
+                        "(a downloaded model folder works), a .gguf file or a Hub id (org/name) in the Hub cache")
+    try:
+        where = local_model(source, download=download, key=key)
+    except ConfigError as exc:
+        raise DataError(str(exc)) from exc
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise DataError("tokenizing data needs transformers to load the tokenizer (pip install transformers)") from exc
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(where.folder, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code, **where.from_pretrained_kwargs())
     except Exception as exc:  # transformers raises OSError / ValueError / KeyError depending on what is missing
-        raise DataError(f"--tokenizer {folder}: transformers could not load a tokenizer from it ({exc})") from exc
+        raise DataError(f"{key} {source}: transformers could not load a tokenizer from it ({exc}); point it at a "
+                        "folder holding tokenizer.json / tokenizer_config.json") from exc
+    if where.gguf_file:
+        set_gguf_special_tokens(tokenizer, os.path.join(where.folder, where.gguf_file))
+    return tokenizer
+
+
+#: GGUF metadata keys of the special tokens (llama.cpp's gguf/constants.py, Keys.Tokenizer) -> the tokenizer's
+#: attribute they name.
+GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.bos_token_id": "bos_token", "tokenizer.ggml.eos_token_id": "eos_token",
+                       "tokenizer.ggml.padding_token_id": "pad_token", "tokenizer.ggml.unknown_token_id": "unk_token"}
+
+
+def set_gguf_special_tokens(tokenizer: Any, gguf_path: str) -> None:
+    """Give a tokenizer converted from a GGUF file the special tokens the file names.
+
+    transformers 5.17's GGUF tokenizer conversion can name the wrong ones: for SmolLM2-135M-Instruct.Q4_1.gguf
+    (tokenizer.ggml.eos_token_id 2, `<|im_end|>`) it sets eos to `<|im_start|>` (id 1), so text and completion
+    records would end in the wrong token and `generate` would not stop where the model does. The file's ids win.
+    """
+    from ..specs.sources import read_gguf_header
+
+    metadata, _ = read_gguf_header(gguf_path)
+    for meta_key, attribute in GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(meta_key)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def pad_id(tokenizer: Any) -> int:
@@ -275,6 +327,9 @@ class _Encoder:
         return ids
 
     def encode(self, fmt: str, record: dict) -> tuple[list[int], list[int]]:
+        """`fmt`: the shape `fitune.data.convert.normalise` gave the record (chat, completion or text)."""
+        if fmt == "chat" and TRAINED_FROM in record:
+            return self.chat_from(record)
         if fmt == "chat":
             return self.chat(record)
         if fmt == "completion":
@@ -291,6 +346,25 @@ class _Encoder:
         return ids, list(ids)
 
     # chat ---------------------------------------------------------------------------------------------------
+
+    def chat_from(self, record: dict) -> tuple[list[int], list[int]]:
+        """chat, but trained only on the assistant turns from message record[TRAINED_FROM] on (TRL's conversational
+        prompt-completion: the prompt's own assistant turns are context). Tokens wholly inside the text the
+        template renders for the prompt are masked."""
+        messages, first = record["messages"], record[TRAINED_FROM]
+        ids, labels = self.chat({"messages": messages})
+        if not any(m["role"] == "assistant" for m in messages[:first]) or not ids:
+            return ids, labels  # nothing in the prompt is trained: chat's labels are already the answer
+        full = self.render(messages)
+        prompt = self.render(messages[:first])
+        if not full.startswith(prompt):
+            raise _RecordProblem(
+                "the chat template renders the prompt's messages differently once the completion follows, so the "
+                "prompt cannot be told from the completion; drop the assistant turns from the prompt, or write the "
+                "record as format chat"
+            )
+        _, after_prompt = self.tokenize_in_spans(full, [(len(prompt), len(full))])
+        return ids, [label if keep else IGNORE_INDEX for label, keep in zip(labels, after_prompt)]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -312,18 +386,15 @@ class _Encoder:
                 cursor, first = end, i + 1
         if not spans:
             return [], []
-        ids, starts = self.tokenize_with_starts(full, spans)
-        labels = [IGNORE_INDEX] * len(ids)
-        for k, char_start in enumerate(starts):
-            # a token belongs to an assistant turn if it starts inside the turn's characters
-            if char_start is not None and any(s <= char_start < e for s, e in spans):
-                labels[k] = ids[k]
-        return ids, labels
+        ids, inside = self.tokenize_in_spans(full, spans)
+        return ids, [token_id if trained else IGNORE_INDEX for token_id, trained in zip(ids, inside)]
 
     def assistant_span(self, messages: list[dict], i: int, full: str, cursor: int, first: int) -> tuple[int, int]:
         """Characters of `full` that assistant turn i adds: from the end of the conversation before it (with the
         template's generation prompt, so the "assistant:" header is not trained) to the end of the turn (its
-        content and end-of-turn token, so the model learns to stop)."""
+        content and end-of-turn token, so the model learns to stop; not the whitespace a template writes after
+        that token, which the model never generates: see `_end_of_turn`). docs/assistant_loss.md compares the
+        tokens this trains with transformers' `return_assistant_tokens_mask`, template by template."""
         upto = self.render(messages[: i + 1])
         if full.startswith(upto):
             for generation_prompt in (True, False):
@@ -332,7 +403,17 @@ class _Encoder:
                 except _RecordProblem:  # e.g. a template that cannot render an empty conversation
                     before = ""
                 if upto.startswith(before) and len(before) >= cursor:
-                    return len(before), len(upto)
+                    return len(before), self._end_of_turn(full, len(before), len(upto))
+            # The conversation before the turn renders differently on its own (Mistral v0.3 writes the system
+            # prompt into the last user turn, so only when the conversation ends there): the turn starts where
+            # the same turn with no content departs from it.
+            try:
+                empty = self.render(messages[:i] + [{**messages[i], "content": ""}])
+            except _RecordProblem:
+                empty = ""
+            start = _common_prefix_length(upto, empty)
+            if cursor <= start < len(upto):
+                return start, self._end_of_turn(full, start, len(upto))
         # The template renders an earlier turn differently once later turns follow (Qwen3 drops earlier
         # reasoning, for one): fall back to finding the content in the full text, plus an eos right after it.
         for message in messages[first:i]:  # step over the turns in between, so the content is not found in them
@@ -353,6 +434,62 @@ class _Encoder:
             end += len(rest) - len(rest.lstrip()) + len(eos_text)
         return start, end
 
+    def _end_of_turn(self, full: str, start: int, end: int) -> int:
+        """`end` moved back over the whitespace the template writes after the turn's end-of-turn token (ChatML's
+        "\\n" after <|im_end|>, Gemma's after <end_of_turn>): generation stops at that token, so the model never
+        produces what follows it. Whitespace that follows no special token (a template whose turns end in "\\n\\n")
+        is the only end-of-turn signal there is, and stays trained."""
+        stripped = start + len(full[start:end].rstrip())
+        if stripped < end and any(full.endswith(token, start, stripped) for token in self._special_texts):
+            return stripped
+        return end
+
+    @functools.cached_property
+    def _special_texts(self) -> frozenset[str]:
+        """The texts of the tokenizer's special tokens: its named ones (bos, eos, ...) and every added token marked
+        special (the SmolLM2 GGUF tokenizer names <|im_start|> its eos; <|im_end|> is only an added special token)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        texts = {token.content for token in added.values() if getattr(token, "special", False)}
+        texts.update(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        return frozenset(text for text in texts if text)
+
+    def tokenize_in_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        """Token ids of `text`, and for each token whether it covers a character of one of `spans` (character
+        ranges). That is transformers' rule for `return_assistant_tokens_mask` (every token from the one holding a
+        span's first character to the one holding its last, `char_to_token`): a token that straddles the start of
+        a turn, like Mistral's " hello" after "[/INST]" where the template wrote the space, is trained."""
+        if self.fast:
+            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            inside = [
+                e > s and any(s < span_end and e > span_start for span_start, span_end in spans)
+                for s, e in encoding["offset_mapping"]
+            ]
+            return list(encoding["input_ids"]), inside
+        # A slow tokenizer gives no offsets: tokenize the text up to each span edge instead. A span's last token is
+        # the last of the text up to its end; its first, the first token after those the text before it shares.
+        ids = self.ids(text)
+        inside = [False] * len(ids)
+        for span_start, span_end in spans:
+            first = self._first_token_from(ids, self.ids(text[:span_start]))
+            last = len(self.ids(text[:span_end]))
+            for k in range(first, min(last, len(ids))):
+                inside[k] = True
+        return ids, inside
+
+    def _first_token_from(self, ids: list[int], before: list[int]) -> int:
+        """The first token of `ids` not wholly inside the text `before` tokenizes to (a prefix of ids' text). Where
+        the two part ways the edge either cuts a token of `ids` (that token is the first) or `before` merged its
+        last tokens differently (Llama's "\\n\\n" ends a text as one token, two before a word): then the first token
+        is the one after those that spell the same text."""
+        shared = _common_prefix_length(ids, before)
+        if shared == len(before):
+            return shared
+        tail = self.tokenizer.decode(before[shared:])
+        end = shared
+        while end < len(ids) and len(self.tokenizer.decode(ids[shared:end])) < len(tail):
+            end += 1
+        return end if self.tokenizer.decode(ids[shared:end]) == tail else shared
+
     def tokenize_with_starts(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int | None]]:
         """Token ids of `text` and the character offset each token starts at."""
         if self.fast:
@@ -367,6 +504,16 @@ class _Encoder:
             for k in range(first, min(last, len(ids))):
                 starts[k] = span_start
         return ids, starts
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _string_field(record: dict, name: str) -> str:
@@ -416,7 +563,7 @@ def encode_records(
     Args:
         records: (line_number, record) pairs, as read_records / scan_records return them.
         tokenizer: the model's transformers tokenizer (chat uses its chat template).
-        fmt: "chat", "completion", "text", or None to detect it from the records.
+        fmt: one of FORMATS (or an alias of one), or None to detect it from the records.
         seq_len_tokens: the longest example kept; longer ones are cut at the end (and counted in the stats).
         source: the file the records came from, named in messages (default: the path read_records kept).
 
@@ -429,26 +576,8 @@ def encode_records(
         DataError: no record has a known format; chat without a chat template.
     """
     source = source_of(records, source)
-    if seq_len_tokens < 2:
-        raise ConfigError(
-            f"seq_len: {seq_len_tokens} tokens leaves nothing to train on; use at least 2 (typical: 512-4096)"
-        )
-    if fmt is None:
-        fmt = detect_format(records, source=source)
-    if fmt not in FORMATS:
-        raise ConfigError(
-            f"data.format: {fmt!r} is not a format; use one of {', '.join(FORMATS)} (or leave it out to detect it "
-            "from the records)"
-        )
-    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
-        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise DataError(
-            f"{source or 'data'}: format chat renders conversations with the tokenizer's chat template, and "
-            f"{name} has none; use a chat/instruct model's tokenizer, add a chat_template to its "
-            'tokenizer_config.json, or write the records as format completion {"prompt", "completion"} or '
-            'text {"text"}',
-            path=source,
-        )
+    fmt = resolve_format(records, tokenizer, fmt, seq_len_tokens, source=source)
+    chat_template = bool(getattr(tokenizer, "chat_template", None))
     encoder = _Encoder(tokenizer)
     examples: list[Example] = []
     rows: list[RecordTokens] = []
@@ -456,12 +585,10 @@ def encode_records(
     problems: list[RecordProblem] = []
     for line_number, record in records:
         try:
-            ids, labels = encoder.encode(fmt, record)
+            ids, labels = encode_one(encoder, fmt, record, chat_template)
         except _RecordProblem as problem:
             problems.append(RecordProblem(line_number, "malformed", str(problem)))
             continue
-        if labels:
-            labels[0] = IGNORE_INDEX  # never a target: the loss scores labels[t + 1] against the logits at t
         trained = sum(1 for label in labels if label != IGNORE_INDEX)
         if trained == 0:
             empty.append((line_number, _empty_hint(fmt)))
@@ -472,8 +599,58 @@ def encode_records(
         if row.kept:
             examples.append(example)
     stats = DataStats(format=fmt, seq_len_tokens=seq_len_tokens, records=tuple(rows), empty=tuple(empty),
-                      source=source, unit=unit_of(source))
+                      source=source, unit=unit_of(source), chat_template=needs_chat_template(fmt, chat_template))
     return examples, stats, problems
+
+
+def resolve_format(records: Sequence[tuple[int, dict]], tokenizer: Any, fmt: str | None, seq_len_tokens: int, *,
+                   source: str | None = None) -> str:
+    """The format to encode `records` with: `fmt` (an alias resolved) or, when None, the one detected from the
+    records; checked against seq_len_tokens and the tokenizer's chat template.
+
+    Raises:
+        ConfigError: fmt is not a format, or seq_len_tokens below 2.
+        DataError: no record has a known format; a format rendered with a chat template and a tokenizer without one.
+    """
+    if seq_len_tokens < 2:
+        raise ConfigError(
+            f"seq_len: {seq_len_tokens} tokens leaves nothing to train on; use at least 2 (typical: 512-4096)"
+        )
+    if fmt is None:
+        fmt = detect_format(records, source=source)
+    elif canonical_format(fmt) is None:
+        raise ConfigError(
+            f"data.format: {fmt!r} is not a format; use one of {', '.join(FORMATS)} (or leave it out to detect it "
+            "from the records)"
+        )
+    fmt = canonical_format(fmt)
+    if needs_chat_template(fmt, bool(getattr(tokenizer, "chat_template", None))) and \
+            not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise DataError(
+            f"{source or 'data'}: format {fmt} renders conversations with the tokenizer's chat template, and "
+            f"{name} has none; use a chat/instruct model's tokenizer, add a chat_template to its "
+            'tokenizer_config.json, or write the records as format completion {"prompt", "completion"} or '
+            'text {"text"}',
+            path=source,
+        )
+    return fmt
+
+
+def encode_one(encoder: "_Encoder", fmt: str, record: dict, chat_template: bool) -> tuple[list[int], list[int]]:
+    """One record of format `fmt` as (input_ids, labels), not truncated; the first label always -100.
+
+    Raises:
+        _RecordProblem: the record lacks its format's fields, or the chat template cannot render it.
+    """
+    try:
+        shape, normalised = normalise(fmt, record, chat_template)
+    except ShapeProblem as problem:
+        raise _RecordProblem(str(problem)) from None
+    ids, labels = encoder.encode(shape, normalised)
+    if labels:
+        labels[0] = IGNORE_INDEX  # never a target: the loss scores labels[t + 1] against the logits at t
+    return ids, labels
 
 
 def tokenize_records(
@@ -513,6 +690,11 @@ def _no_examples_reason(fmt: str) -> str:
         "'assistant' and raise seq_len if long prompts push the answers out",
         "completion": "completions are empty, or prompts fill the whole seq_len; raise seq_len",
         "text": "the texts are empty",
+        "alpaca": "outputs are empty, or instructions fill the whole seq_len; raise seq_len",
+        "sharegpt": "conversations need a gpt (assistant) turn inside the first seq_len tokens; raise seq_len if long "
+        "prompts push the answers out",
+        "conversational_completion": "completions need an assistant message inside the first seq_len tokens; raise "
+        "seq_len if long prompts push the answers out",
     }[fmt]
 
 

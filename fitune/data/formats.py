@@ -1,4 +1,9 @@
-"""Which record shape a data file holds: chat, completion or text, detected from its records' keys."""
+"""Which record shape a data file holds, detected from its records' keys or forced by `data.format`.
+
+The one list of formats (`FORMATS`) and of the names people type for them (`FORMAT_ALIASES`): `fitune.config`'s
+`data.format` key, the encoder and the docs (docs/data.md) all read it from here. Records of every format become one
+of three shapes before they are tokenized (`fitune.data.convert`): chat messages, a prompt/completion pair, or text.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +12,70 @@ from typing import Sequence
 from ..errors import DataError
 from .read import source_of
 
-FORMATS = ("chat", "completion", "text")
-"""Record shapes the encoder understands:
-- chat:       {"messages": [{"role": ..., "content": ...}, ...]};
-- completion: {"prompt": ..., "completion": ...};
-- text:       {"text": ...}."""
+FORMATS = ("chat", "completion", "text", "alpaca", "sharegpt", "conversational_completion")
+"""Record shapes fitune reads (one record of each in docs/data.md):
+- chat:                      {"messages": [{"role": ..., "content": ...}, ...]} (OpenAI's fine-tuning format);
+- completion:                {"prompt": "...", "completion": "..."} (TRL's standard prompt-completion);
+- text:                      {"text": "..."};
+- alpaca:                    {"instruction": ..., "input": ... (optional, may be empty), "output": ..., "system": ...
+                             (optional)} (Stanford Alpaca's alpaca_data.json);
+- sharegpt:                  {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...], "system":
+                             ... (optional)} (also "role"/"content" inside the conversation);
+- conversational_completion: {"prompt": [messages], "completion": [messages]} (TRL's conversational
+                             prompt-completion): the loss only on the completion's assistant messages."""
+
+FORMAT_ALIASES = {
+    "messages": "chat", "openai": "chat", "conversation": "chat",
+    "prompt_completion": "completion", "pretrain": "text", "raw": "text", "plain": "text",
+    "instruction": "alpaca", "share_gpt": "sharegpt", "conversations": "sharegpt",
+    "conversational_prompt_completion": "conversational_completion", "chat_prompt_completion":
+        "conversational_completion",
+}
+"""Other names `data.format` accepts, each for exactly one format (`conversation` stays OpenAI messages, as it was;
+ShareGPT's key is `conversations`)."""
+
+FORMAT_KEYS = {
+    "chat": '{"messages": [{"role", "content"}, ...]}',
+    "completion": '{"prompt": "...", "completion": "..."}',
+    "text": '{"text": "..."}',
+    "alpaca": '{"instruction", "input" (optional), "output"}',
+    "sharegpt": '{"conversations": [{"from", "value"}, ...]}',
+    "conversational_completion": '{"prompt": [messages], "completion": [messages]}',
+}
+"""The keys each format's records have, as messages show them."""
+
 DETECT_KEYS_RECORDS = 100
 """Records whose keys a format-detection error lists."""
 
 
 def format_of(record: dict) -> str | None:
-    """The format whose keys `record` has (chat before completion before text), or None."""
+    """The format whose keys `record` has, or None. The order decides between shapes that share keys: messages,
+    then conversations, then prompt + completion (lists: conversational, else standard), then instruction + output,
+    then text."""
     if "messages" in record:
         return "chat"
+    if "conversations" in record:
+        return "sharegpt"
     if "prompt" in record and "completion" in record:
+        if isinstance(record["prompt"], list) or isinstance(record["completion"], list):
+            return "conversational_completion"
         return "completion"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
     if "text" in record:
         return "text"
     return None
 
 
+def canonical_format(fmt: str) -> str | None:
+    """`fmt` as one of FORMATS (an alias resolved, case ignored), or None when it is neither."""
+    low = fmt.strip().lower()
+    low = FORMAT_ALIASES.get(low, low)
+    return low if low in FORMATS else None
+
+
 def detect_format(records: Sequence[tuple[int, dict]], *, source: str | None = None) -> str:
-    """The format of the first record with a known shape: "chat", "completion" or "text".
+    """The format of the first record with a known shape: one of FORMATS.
 
     Raises:
         DataError: no record has a known shape; the message lists the keys the records have.
@@ -39,10 +86,10 @@ def detect_format(records: Sequence[tuple[int, dict]], *, source: str | None = N
         if fmt is not None:
             return fmt
     keys = sorted({key for _, record in records[:DETECT_KEYS_RECORDS] for key in record})
+    known = "; ".join(f"{name} {shape}" for name, shape in FORMAT_KEYS.items())
     raise DataError(
-        f"{source or 'data'}: no record has a known format; keys found: {keys}. fitune reads chat "
-        '{"messages": [{"role": ..., "content": ...}, ...]}, completion {"prompt": ..., "completion": ...} or text '
-        '{"text": ...}; rename the fields to one of these',
+        f"{source or 'data'}: no record has a known format; keys found: {keys}. fitune reads {known}; rename the "
+        "fields to one of these (see docs/data.md)",
         path=source,
         line=records[0][0] if records else None,
     )

@@ -40,7 +40,8 @@ class DataReport:
     path: str
     format: str
     chat_template: bool
-    """Chat records were rendered with the tokenizer's chat template (always, for chat: training needs one)."""
+    """The records were rendered with the tokenizer's chat template (chat, sharegpt, conversational_completion, and
+    alpaca when the tokenizer has one: `fitune.data.convert`)."""
     lengths_tokens: tuple[int, ...]
     """Tokens of each record with something to train on (as training encodes it), in file order."""
     seq_len_tokens: int
@@ -103,7 +104,7 @@ def scan_data(path: str, tokenizer_dir: str, seq_len_tokens: int | None = None,
     if padding[0].padding_share > PADDING_WASTE_NOTE:
         findings.append(_padding_finding(padding, seq_len, batch_size))
     return DataReport(
-        path=path, format=stats.format, chat_template=stats.format == "chat", lengths_tokens=stats.lengths_tokens,
+        path=path, format=stats.format, chat_template=stats.chat_template, lengths_tokens=stats.lengths_tokens,
         seq_len_tokens=seq_len, batch_size=batch_size, histogram=tuple(scan.histogram()), padding=tuple(padding),
         truncated_records=stats.truncated_records, truncated_tokens=stats.truncated_tokens,
         dropped_lines=stats.dropped_lines, findings=tuple(sort_findings(_cap(findings))),

@@ -141,45 +141,13 @@ def _json_value(v):
 
 
 # ---- model ids ------------------------------------------------------------------------------------------------
-_ID_NOISE = ("-instruct", "-chat", "-hf", "-base", "-bnb-4bit", "-4bit", "-8bit", "-unsloth", "-awq", "-gptq",
-             "-it")
-
-
 def catalog_model(model_id: str) -> str | None:
-    """The catalog name of a model id as scripts write it, or None.
+    """The catalog name of a model id as scripts write it, or None: `fitune.specs.model.catalog_key_for_hub_id`, the
+    matching `fitune estimate` uses for a Hub id that is not in the Hub cache (exact, then tolerant of an owner,
+    `Meta-`, `-Instruct`, `-it`, `-bnb-4bit`, ...)."""
+    from ..specs.model import catalog_key_for_hub_id
 
-    Exact first (`fitune.specs.model.catalog_key`: catalog names and the HF ids the catalog lists), then tolerant of
-    what Hub ids add around the same weights' architecture: an owner (`unsloth/`), `Meta-` before `Llama`, and
-    `-Instruct`, `-chat`, `-hf`, `-it`, `-bnb-4bit` anywhere after the name (`Mistral-7B-Instruct-v0.3`)."""
-    from ..specs.model import catalog_key, model_catalog
-
-    if not isinstance(model_id, str) or not model_id.strip():
-        return None
-    exact = catalog_key(model_id)
-    if exact:
-        return exact
-    names = {}
-    for name, entry in model_catalog().items():
-        names[_normalise(name)] = name
-        if entry.get("hf_id"):
-            names.setdefault(_normalise(entry["hf_id"]), name)
-    return names.get(_normalise(model_id))
-
-
-def _normalise(model_id: str) -> str:
-    base = model_id.strip().lower().rstrip("/").rsplit("/", 1)[-1]
-    if base.startswith("meta-llama-"):
-        base = base[len("meta-"):]
-    changed = True
-    while changed:
-        changed = False
-        for noise in _ID_NOISE:
-            for form in (noise + "-", noise):
-                i = base.find(form)
-                if i > 0 and (form.endswith("-") or i + len(form) == len(base)):
-                    base = base[:i] + ("-" if form.endswith("-") else "") + base[i + len(form):]
-                    changed = True
-    return base.strip("-")
+    return catalog_key_for_hub_id(model_id)
 
 
 # ---- the extraction -----------------------------------------------------------------------------------------------

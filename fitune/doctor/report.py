@@ -51,7 +51,7 @@ def format_data_report(report) -> str:
     """The data scan (a `fitune.doctor.data.DataReport`) as text: lengths, histogram, padding, findings."""
     st = report.length_stats()
     template = {"chat": " (chat template)" if report.chat_template else " (no chat template: role: content lines)"}
-    lines = [f"{report.path}: {report.records:,} {report.format} records{template.get(report.format, '')}, "
+    lines = [f"{report.path}: {report.records:,} {report.format} records{template.get(report.format, ' (chat template)' if report.chat_template else '')}, "
              f"seq len {report.seq_len_tokens}, batch {report.batch_size}",
              f"tokens per record: min {st['min']}, median {st['median']:g}, mean {st['mean']:.1f}, p90 {st['p90']}, "
              f"p99 {st['p99']}, max {st['max']}", "", f"{'tokens':>13s} {'records':>8s}"]

@@ -42,6 +42,8 @@ class DataProfile:
     """Tokens of each example before truncation, in file order."""
     source: str
     """Which tokenisation produced them ("fitune.data": fitune train's own)."""
+    format: str = ""
+    """The format the records were read as (`fitune.data.formats.FORMATS`: detected from them)."""
 
     @property
     def examples(self) -> int:
@@ -117,4 +119,4 @@ def profile_data(path: str, tokenizer_dir: str, progress=None) -> DataProfile:
     # told how far the encoding has come (the CLI's bar)
     _, stats = tokenize_records(counting(read_records(path), progress), load_tokenizer(tokenizer_dir), None,
                                 NO_TRUNCATION_TOKENS)
-    return DataProfile(path, stats.lengths_tokens, "fitune.data")
+    return DataProfile(path, stats.lengths_tokens, "fitune.data", stats.format)

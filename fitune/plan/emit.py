@@ -37,8 +37,10 @@ _YAML_ORDER = ("model", "init", "tokenizer", "data", "method", "lora", "freeze_t
 
 def model_location(model_arg: str) -> tuple[str, bool]:
     """(what `model:` should say, whether it is a folder the runner can load pretrained weights from)."""
-    if os.path.isdir(model_arg):
-        return model_arg, True
+    from ..specs.sources import is_gguf_path, is_hub_id
+
+    if os.path.isdir(model_arg) or is_hub_id(model_arg) or os.path.isfile(model_arg) and is_gguf_path(model_arg):
+        return model_arg, True  # train loads a .gguf file, and a Hub id from the Hub cache (or downloads it)
     if os.path.isfile(model_arg):  # a config.json: its folder holds the weights, if anywhere
         folder = os.path.dirname(model_arg) or "."
         return folder, True

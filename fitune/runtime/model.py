@@ -1,7 +1,8 @@
 """Build the model a run trains and prepare it for its method: the one model builder of fitune.
 
-    build_model(source, ...)            a pretrained folder, or random weights from a config (catalog name,
-                                        config.json, ModelSpec, dict); dtype; attention; NF4 (QLoRA)
+    build_model(source, ...)            pretrained weights (a model folder, a .gguf file, a Hub id from the Hub
+                                        cache), or random weights from a config (catalog name, config.json,
+                                        ModelSpec, dict); dtype; attention; NF4 (QLoRA)
     build_model_for_setup(source, s)    the same with the dtype / attention / quantisation a TrainSetup implies
     prepare_model(model, s)             PEFT LoRA / freeze / full, fitune's techniques, checkpointing
 
@@ -47,15 +48,18 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
     """The causal LM of `source` in training mode on `device`.
 
     Args:
-        source: a model folder (its weights are loaded), or a config to draw random weights from: a config.json
-            dict, a ModelSpec, a catalog name or a config.json path. Memory does not depend on the weights' values.
+        source: where pretrained weights are loaded from: a model folder, a .gguf file (dequantized to
+            `dtype_name` on load) or a Hub id (its snapshot in the Hub cache; downloaded when not there and not
+            offline); or a config to draw random weights from: a config.json dict, a ModelSpec, a catalog name, a
+            config.json path (or any of the former). Memory does not depend on the weights' values.
         dtype_name: bf16 | fp16 | fp32, the weights' dtype (NF4 layers compute in bf16).
         attn: transformers' attn_implementation (sdpa, eager, flash_attention_2); fitune's "flash" runs as sdpa.
         quantize: None, or "nf4": the decoder's linears become bitsandbytes NF4 (CUDA only). A pretrained folder
             is loaded through transformers' BitsAndBytesConfig; random weights are quantised on the GPU after init.
-        init: "pretrained", "random", or "auto" (pretrained when `source` is a folder with weight files).
+        init: "pretrained", "random", or "auto" (pretrained when `source` is a folder with weight files, a .gguf
+            file or a Hub id whose cached snapshot has them).
     Raises:
-        ConfigError: NF4 without a CUDA GPU, or an unknown `init`.
+        ConfigError: NF4 without a CUDA GPU, an unknown `init`, or a Hub id that is neither cached nor downloadable.
     """
     from transformers import AutoModelForCausalLM
 
@@ -88,8 +92,11 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
                                                          attn_implementation=attn)
     else:
+        from ..specs.sources import local_model
+
+        where = local_model(str(source), download=True)  # a Hub id not in the cache is downloaded here
         kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
-                  "trust_remote_code": trust_remote_code}
+                  "trust_remote_code": trust_remote_code, **where.from_pretrained_kwargs()}
         if quantize == "nf4":
             from transformers import BitsAndBytesConfig
 
@@ -97,11 +104,42 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=torch.bfloat16)
             kwargs["device_map"] = {"": 0}
-        model = AutoModelForCausalLM.from_pretrained(str(source), **kwargs)
-        if quantize is None:
+        elif device != "cpu" and not _zero3_construction():
+            # each tensor is read straight onto the GPU: an 8B bf16 model (16 GB) is never whole in host RAM first.
+            # (ZeRO-3 partitions the parameters as they are made; transformers refuses a device_map with it.)
+            kwargs["device_map"] = {"": device}
+        model = AutoModelForCausalLM.from_pretrained(where.folder, **kwargs)
+        if where.gguf_file:
+            _forget_gguf_quantization(model)
+        if where.gguf_file or where.hub_id:
+            # PEFT writes this as the adapter's base_model_name_or_path: the .gguf file or Hub id `model:` named,
+            # which build_model loads again, rather than the folder it was read from
+            model.name_or_path = model.config.name_or_path = str(source)
+        if quantize is None and "device_map" not in kwargs:
             model.to(device)
     model.train()
     return model
+
+
+def _zero3_construction() -> bool:
+    """Whether the model is being built under DeepSpeed ZeRO-3 (`fitune.parallel.deepspeed_engine`)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _forget_gguf_quantization(model) -> None:
+    """Clear what marks a model loaded from a GGUF file as quantized.
+
+    transformers dequantizes every GGUF tensor on load (modeling_gguf_pytorch_utils.load_gguf_checkpoint) and the
+    weights are plain tensors of the run's dtype, but it keeps a GGUF `hf_quantizer` and `quantization_config`,
+    which make `save_pretrained` refuse to save and PEFT's merge refuse to merge. Nothing quantized is left to
+    describe, so they go (tests/real_model.py's `model_folder` does the same).
+    """
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def build_model_for_setup(source: Any, s: TrainSetup, device: str, *, init: str = "auto",
@@ -118,19 +156,29 @@ def build_random_model(hf_config: dict, attn: str = "sdpa", device: str = "cuda"
 
 
 def _has_weights(source: Any) -> bool:
-    return isinstance(source, str) and os.path.isdir(source) and any(
-        f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
+    """Whether `source` holds pretrained weights: a folder with weight files, a .gguf file, a cached Hub id's
+    snapshot with weight files."""
+    if not isinstance(source, str):
+        return False
+    from ..specs.sources import cached_hub_snapshot, is_gguf_path, is_hub_id
+
+    if os.path.isfile(source) and is_gguf_path(source):
+        return True
+    folder = cached_hub_snapshot(source) if is_hub_id(source) else source
+    return folder is not None and os.path.isdir(folder) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
 
 
 def _hf_config(source: Any) -> dict:
-    """The config.json dict of a dict, a ModelSpec, a catalog name, a config.json or a model folder."""
+    """The config.json dict of a dict, a ModelSpec, a catalog name, a config.json, a model folder, a .gguf file or a
+    Hub id (whatever its architecture: `--engine trace` and random init build any that transformers knows)."""
     if isinstance(source, dict):
         return source
     if hasattr(source, "hf_config"):
         return source.hf_config
-    from ..specs.model import load_model_spec
+    from ..specs.model import resolve_model_source
 
-    return load_model_spec(str(source)).hf_config
+    return resolve_model_source(str(source)).hf_config
 
 
 def materialize_randomly(model, device, each_layer=None) -> None:
@@ -198,18 +246,20 @@ def quantize_layer_to_nf4(layer) -> int:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The tokenizer in `path` (a model or tokenizer folder), with a pad token (its eos when it has none).
+    """The tokenizer of `path` (a model or tokenizer folder, a .gguf file, a Hub id: downloaded when not in the Hub
+    cache and not offline), with a pad token (its eos when it has none). Loads it with the data path's loader
+    (`fitune.data.encode.load_tokenizer`), so train, plan --data and doctor --data read the same tokenizer.
 
     Raises:
         ConfigError: no tokenizer can be loaded from `path`, or it has neither a pad nor an eos token.
     """
-    from transformers import AutoTokenizer
+    from ..data.encode import load_tokenizer as load_data_tokenizer
+    from ..errors import DataError
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc}); set `tokenizer:` to a folder "
-                          "holding tokenizer.json / tokenizer_config.json") from exc
+        tok = load_data_tokenizer(str(path), trust_remote_code, key="tokenizer:", download=True)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from exc
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ConfigError(f"tokenizer {path}: it has neither a pad nor an eos token; add a pad token")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..errors import UnknownModelError, UnsupportedArchitectureError
@@ -64,6 +64,11 @@ class ModelSpec:
     moe_layers: int = 0
     source: str = ""
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+    source_note: str = field(default="", compare=False)
+    """How MODEL was found, when it is not plain: "config.json from the Hub cache at ...", the catalog entry a Hub id
+    stood for, the GGUF file's metadata."""
+    gguf_weights_type: str = field(default="", compare=False)
+    """A GGUF file's weight type ("Q4_1"), "" otherwise: the weights are dequantized on load (`describe_source`)."""
 
     # ---- derived shapes -------------------------------------------------------------------------------
     @property
@@ -357,6 +362,55 @@ def catalog_key(model: str) -> str | None:
     return by_hf_id.get(key)
 
 
+#: What Hub ids add around a catalog model's architecture (doctor's and estimate's id matching): the weights differ
+#: (instruction-tuned, quantized, converted), the shapes do not.
+_HUB_ID_NOISE = ("-instruct", "-chat", "-hf", "-base", "-bnb-4bit", "-4bit", "-8bit", "-unsloth", "-awq", "-gptq",
+                 "-it")
+
+
+def catalog_key_for_hub_id(model_id: str) -> str | None:
+    """The catalog name whose architecture a Hub id has, or None.
+
+    Exact first (`catalog_key`: catalog names and the Hub ids the catalog lists), then tolerant of what Hub ids add
+    around the same architecture: an owner (`unsloth/`, `NousResearch/`), `Meta-` before `Llama`, and `-Instruct`,
+    `-chat`, `-hf`, `-it`, `-bnb-4bit` anywhere after the name. A version stays: `Mistral-7B-Instruct-v0.3` is the
+    v0.3 entry (`mistralai/Mistral-7B-v0.3`), and `-v0.2` matches nothing rather than another version.
+    """
+    if not isinstance(model_id, str) or not model_id.strip():
+        return None
+    exact = catalog_key(model_id)
+    if exact:
+        return exact
+    names = {}
+    for name, entry in model_catalog().items():
+        names[_normalise_hub_id(name)] = name
+        if entry.get("hf_id"):
+            names.setdefault(_normalise_hub_id(entry["hf_id"]), name)
+    return names.get(_normalise_hub_id(model_id))
+
+
+def _normalise_hub_id(model_id: str) -> str:
+    base = model_id.strip().lower().rstrip("/").rsplit("/", 1)[-1]
+    if base.startswith("meta-llama-"):
+        base = base[len("meta-"):]
+    changed = True
+    while changed:
+        changed = False
+        for noise in _HUB_ID_NOISE:
+            for form in (noise + "-", noise):
+                i = base.find(form)
+                if i > 0 and (form.endswith("-") or i + len(form) == len(base)):
+                    base = base[:i] + ("-" if form.endswith("-") else "") + base[i + len(form):]
+                    changed = True
+    return base.strip("-")
+
+
+def closest_catalog_names(model: str, n: int = 4) -> list[str]:
+    """Catalog names that read like `model` (its Hub-id noise removed), closest first."""
+    key = _normalise_hub_id(model) if model.strip() else ""
+    return difflib.get_close_matches(key, list(model_catalog()), n=n, cutoff=0.5)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """MODEL resolved to its config.json, before any architecture check.
@@ -367,7 +421,9 @@ class ModelSource:
 
     name: str
     hf_config: dict = field(repr=False)
-    source: str = ""  # the catalog's source, or the config.json path
+    source: str = ""  # the catalog's source, the config.json path or the .gguf path
+    note: str = ""  # how MODEL was found when it is not plain (Hub cache, catalog entry for a Hub id, GGUF metadata)
+    gguf_weights_type: str = ""  # a GGUF file's weight type ("Q4_1"): dequantized on load
 
     @property
     def model_type(self) -> str:
@@ -375,46 +431,106 @@ class ModelSource:
 
 
 def load_model_spec(model: str) -> ModelSpec:
-    """Resolve MODEL (a catalog name, a config.json path, or a model folder) into the analytic engine's spec.
+    """Resolve MODEL (a catalog name, a config.json path, a model folder, a Hub id or a .gguf file) into the
+    analytic engine's spec; `source_note` and `gguf_weights_type` say where it came from.
 
     Raises:
         UnknownModelError: MODEL is none of those, or its config.json cannot be read or lacks a key.
         UnsupportedArchitectureError: the analytic engine does not model its architecture (use `--engine trace`).
     """
     src = resolve_model_source(model)
-    return model_spec_from_hf_config(src.hf_config, name=src.name, source=src.source)
+    spec = model_spec_from_hf_config(src.hf_config, name=src.name, source=src.source)
+    if src.note or src.gguf_weights_type:
+        spec = replace(spec, source_note=src.note, gguf_weights_type=src.gguf_weights_type)
+    return spec
+
+
+def describe_source(spec: ModelSpec, dtype_name: str, method: str = "") -> str | None:
+    """The source note estimate and plan print (and put in --json as "source_note"): how MODEL was found, and for
+    a GGUF file that its weights are dequantized to the run's dtype; None for a catalog name or a local config."""
+    from .sources import dequantize_note
+
+    parts = [spec.source_note] if spec.source_note else []
+    if spec.gguf_weights_type:
+        parts.append(dequantize_note(spec.gguf_weights_type, dtype_name, method))
+    return "; ".join(parts) or None
 
 
 def resolve_model_source(model: str) -> ModelSource:
-    """Resolve MODEL: a catalog name, a config.json path, or a model folder holding config.json.
+    """Resolve MODEL: a catalog name, a config.json path, a model folder holding config.json, a .gguf file, or a
+    Hugging Face Hub id (`org/name`).
 
-    Reads the config.json but does not judge its architecture (`load_model_spec` does, for the analytic engine).
+    A Hub id reads its config.json from the Hub cache (huggingface_hub's, no network) when it is there; else the
+    catalog entry with its architecture (`catalog_key_for_hub_id`), said in `note`. A .gguf file's architecture
+    comes from its metadata. Reads the config but does not judge its architecture (`load_model_spec` does, for the
+    analytic engine).
 
     Raises:
         UnknownModelError: MODEL is none of those, or its config.json is not a readable JSON object.
     """
+    from . import sources
+
     if not model.strip():
         raise UnknownModelError("MODEL is empty; name a catalog model (e.g. llama-3.1-8b; `fitune estimate "
-                                "--list-models` prints them), a config.json or a model folder")
+                                "--list-models` prints them), a config.json, a model folder, a .gguf file or a "
+                                "Hugging Face Hub id")
     catalog = model_catalog()
     key = catalog_key(model)
+    if key is not None and "/" not in model:
+        entry = catalog[key]
+        return ModelSource(name=key, hf_config=entry["config"], source=entry.get("source", ""))
+    if sources.is_hub_id(model):
+        return _hub_source(model.strip(), key)
     if key is not None:
         entry = catalog[key]
         return ModelSource(name=key, hf_config=entry["config"], source=entry.get("source", ""))
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
-            raise UnknownModelError(f"{model} is a folder without a config.json; point MODEL at a Hugging Face model folder")
+            gguf = sorted(f for f in os.listdir(model) if sources.is_gguf_path(f))
+            hint = f" (it holds {gguf[0]}: point MODEL at that file)" if gguf else ""
+            raise UnknownModelError(f"{model} is a folder without a config.json{hint}; point MODEL at a Hugging Face "
+                                    "model folder")
         return ModelSource(name=os.path.basename(os.path.normpath(model)), hf_config=_read_config(path), source=path)
+    if os.path.isfile(model) and sources.is_gguf_path(model):
+        g = sources.read_gguf(model)
+        stem = os.path.basename(model)[: -len(sources.GGUF_SUFFIX)]
+        return ModelSource(name=stem, hf_config=g.hf_config, source=model,
+                           note=f"architecture from the GGUF metadata of {model}",
+                           gguf_weights_type=g.weights_type)
     if os.path.isfile(model):
         folder = os.path.basename(os.path.dirname(os.path.abspath(model)))
         return ModelSource(name=folder, hf_config=_read_config(model), source=model)
-    close = difflib.get_close_matches(model.strip().lower(), list(catalog), n=4, cutoff=0.5)
+    close = closest_catalog_names(model)
     hint = f"closest catalog names: {', '.join(close)}" if close else f"known: {', '.join(sorted(catalog))}"
     raise UnknownModelError(
-        f"{model!r} is not a catalog model, a config.json or a model folder; {hint}. "
-        "`fitune estimate --list-models` prints the catalog."
+        f"{model!r} is not a catalog model, a config.json, a model folder, a .gguf file or a Hub id (org/name); "
+        f"{hint}. `fitune estimate --list-models` prints the catalog."
     )
+
+
+def _hub_source(repo_id: str, key: str | None) -> ModelSource:
+    """A Hub id: its cached config.json (the exact architecture), else the catalog entry of its architecture."""
+    from . import sources
+
+    path = sources.cached_hub_file(repo_id, "config.json")
+    if path is not None:
+        return ModelSource(name=repo_id, hf_config=_read_config(path), source=path,
+                           note=f"config.json from the Hub cache at {path}")
+    key = key or catalog_key_for_hub_id(repo_id)
+    if key is not None:
+        entry = model_catalog()[key]
+        return ModelSource(name=key, hf_config=entry["config"], source=entry.get("source", ""),
+                           note=f"{repo_id} is not in the Hub cache ({sources.hub_cache_dir()}); used the catalog "
+                                f"entry {key} ({entry.get('hf_id', key)}), which has its architecture")
+    close = closest_catalog_names(repo_id)
+    hint = f"closest catalog names: {', '.join(close)}" if close else \
+        "`fitune estimate --list-models` prints the catalog"
+    raise UnknownModelError(
+        f"{repo_id!r}: no such file or folder, and as a Hub id it is neither in the Hub cache "
+        f"({sources.hub_cache_dir()}) nor in fitune's catalog; "
+        f"download it with `{sources.download_command(repo_id)}` (its config.json is enough for an estimate: "
+        f"`{sources.download_command(repo_id)} config.json`), or name a catalog model ({hint})")
 
 
 #: The largest config.json read (bytes): real ones are a few KiB (with an id2label table, a few hundred).

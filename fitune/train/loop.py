@@ -141,14 +141,22 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     s = cfg.setup
 
     # ---- data: tokenised once, batched deterministically -------------------------------------------------
-    records = data_mod.read_records(cfg.data.path)
-    examples, stats = data_mod.tokenize_records(records, tokenizer, cfg.data.format, s.seq_len_tokens)
-    items = data_mod.pack(examples, s.seq_len_tokens) if cfg.packing else examples
-    log.info("data: %s", stats.summary())
-    if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
-        log.warning("fitune train: %s", stats.dropped_message())
     rows = parallel_data.global_batch_rows(s.batch_size)  # [parallel] the global batch: batch_size on each GPU
-    stream = data_mod.BatchStream(items, rows, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
+    if cfg.data.streaming:  # records read as the steps need them; max_steps counts the run (the config requires it)
+        from ..data.stream import StreamingBatches
+
+        stream = StreamingBatches(cfg.data.path, cfg.data.split, cfg.data.subset, tokenizer, cfg.data.format,
+                                  s.seq_len_tokens, rows, data_mod.pad_id(tokenizer), packed=cfg.packing)
+        log.info("data: format %s; streaming %s (records read as training needs them, in source order)",
+                 stream.format, cfg.data.path)
+    else:
+        records = data_mod.read_records(cfg.data.path, cfg.data.split, cfg.data.subset)
+        examples, stats = data_mod.tokenize_records(records, tokenizer, cfg.data.format, s.seq_len_tokens)
+        items = data_mod.pack(examples, s.seq_len_tokens) if cfg.packing else examples
+        log.info("data: format %s; %s", stats.format, stats.summary())
+        if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
+            log.warning("fitune train: %s", stats.dropped_message())
+        stream = data_mod.BatchStream(items, rows, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
     eval_items = None
     if cfg.data.eval_path:
         ev, ev_stats = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer,
