@@ -213,7 +213,8 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     if s.method in ("lora", "qlora"):
         targets = py_literal("all-linear") if s.all_linear else "[" + ", ".join(map(py_literal, s.lora_targets)) + "]"
         body += ["model = get_peft_model(model, LoraConfig(",
-                 f"    r={s.lora_rank}, lora_alpha={s.lora_alpha}, target_modules={targets}, lora_dropout=0.0,",
+                 f"    r={s.lora_rank}, lora_alpha={s.lora_alpha}, target_modules={targets}, "
+                 f"lora_dropout={float(s.lora_dropout)!r},",
                  '    task_type="CAUSAL_LM",',
                  "))"]
     elif s.method == "freeze":

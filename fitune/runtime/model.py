@@ -283,7 +283,7 @@ def prepare_model(model, s: TrainSetup):
         enable_liger_kernels(model)
     if s.method in ("lora", "qlora"):
         targets = ALL_LINEAR if s.all_linear else list(s.lora_targets)
-        model = wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha)
+        model = wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha, dropout=s.lora_dropout)
     elif s.method == "freeze":
         layers = find_decoder_layers(model)
         for p in model.parameters():
@@ -322,12 +322,13 @@ def prepare_model(model, s: TrainSetup):
     return model
 
 
-def wrap_lora(model, rank: int, targets: list[str] | str, alpha: int = 16):
-    """PEFT's `get_peft_model` as the recipe writes it: dropout 0, the adapters in fp32 (PEFT's default)."""
+def wrap_lora(model, rank: int, targets: list[str] | str, alpha: int = 16, dropout: float = 0.0):
+    """PEFT's `get_peft_model` as the recipe writes it: `lora.dropout` (PEFT's `lora_dropout`: an `nn.Dropout` on
+    each adapter's input; 0, the recipe's value, is PEFT's `nn.Identity`), the adapters in fp32 (PEFT's default)."""
     from peft import LoraConfig, get_peft_model
 
     target_modules = ALL_LINEAR if targets == ALL_LINEAR or targets == [ALL_LINEAR] else list(targets)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=float(dropout),
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 

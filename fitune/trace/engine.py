@@ -382,14 +382,12 @@ def _make_trainable(model, setup: TrainSetup, layers: list, wrap_lora, label: st
     if setup.method == "lora":
         targets = "all-linear" if setup.all_linear else list(setup.lora_targets)
         try:
-            model = wrap_lora(model, setup.lora_rank, targets, alpha=setup.lora_alpha)
+            model = wrap_lora(model, setup.lora_rank, targets, alpha=setup.lora_alpha, dropout=setup.lora_dropout)
         except ValueError as exc:
             if "not found in the base model" in str(exc):
                 raise ConfigError(_missing_targets_message(model, setup, label, model_type)) from exc
             raise TraceModelError(f"PEFT cannot add LoRA adapters to {label}: "
                                   f"{_first_line(exc)}") from exc
-        if setup.lora_dropout:
-            _set_lora_dropout(model, setup.lora_dropout)
     elif setup.method == "freeze":
         if not layers:
             raise TraceUnsupportedError(
@@ -457,18 +455,6 @@ def _adaptable_module_names(model) -> list[str]:
             if short not in out:
                 out.append(short)
     return out
-
-
-def _set_lora_dropout(model, p: float) -> None:
-    """PEFT's `lora_dropout=p`: an `nn.Dropout(p)` on each adapter's input (PEFT puts `nn.Identity` for 0)."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    for m in model.modules():
-        if isinstance(m, LoraLayer):
-            for adapter, drop in m.lora_dropout.items():
-                if not isinstance(drop, torch.nn.Dropout):
-                    m.lora_dropout[adapter] = torch.nn.Dropout(p=p)
 
 
 def _checkpoint_first_layers(layers: list, k: int, label: str, model_type: str) -> None:
