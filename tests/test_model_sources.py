@@ -373,7 +373,7 @@ def test_one_tokenizer_loader_for_folders_and_hub_ids(real_model_dir, cached_smo
     tok = data_tokenizer(HUB_ID)
     assert _rendered(tok) == expected and len(tok) == 49152
     run = run_tokenizer(HUB_ID)
-    assert run.pad_token_id == run.eos_token_id == 1  # it has no pad token: its eos pads (as in train)
+    assert run.pad_token_id == run.eos_token_id == 2  # <|im_end|>, as the GGUF file names them (tests/real_model.py)
     with pytest.raises(DataError, match=r"--tokenizer someone/absent is not in the Hub cache .*HF_HUB_OFFLINE is set"):
         data_tokenizer("someone/absent")
     with pytest.raises(ConfigError, match=r"tokenizer: someone/absent is not in the Hub cache"):

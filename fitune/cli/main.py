@@ -8,9 +8,9 @@ import sys
 
 from .. import __version__
 from ..errors import FituneError
-from . import doctor, estimate, plan, profile, report, train
+from . import chat, doctor, estimate, eval, export, generate, merge, plan, profile, report, train
 
-SUBCOMMANDS = (estimate, plan, profile, train, doctor, report)
+SUBCOMMANDS = (estimate, plan, profile, train, doctor, report, export, chat, generate, merge, eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
