@@ -160,6 +160,10 @@ ALLOWED = {
     # one micro-batch's forward (fitune's forward_loss) and backward, its gradients compared compiled against eager,
     # no optimizer: a parity check, not a step
     ("bench/compile_parity.py", "grads_of"),
+    # issue 30: the reference fitune's runner is checked against, a plain transformers + PEFT loop written without
+    # fitune's runtime (built on it, it would check fitune against itself)
+    ("bench/train_parity.py", "build_reference_model"),
+    ("bench/train_parity.py", "reference_run"),
 }
 
 
