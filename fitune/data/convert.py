@@ -74,9 +74,10 @@ def normalise(fmt: str, record: dict, chat_template: bool) -> tuple[str, dict]:
     if fmt == "chat":
         return "chat", {"messages": _messages(record, "messages")}
     if fmt == "completion":
-        return "completion", {"prompt": _string(record, "prompt"), "completion": _string(record, "completion")}
+        prompt, completion = string_field(record, "prompt"), string_field(record, "completion")
+        return "completion", {"prompt": prompt, "completion": completion}
     if fmt == "text":
-        return "text", {"text": _string(record, "text")}
+        return "text", {"text": string_field(record, "text")}
     if fmt == "alpaca":
         return _alpaca(record, chat_template)
     if fmt == "sharegpt":
@@ -88,7 +89,7 @@ def normalise(fmt: str, record: dict, chat_template: bool) -> tuple[str, dict]:
 
 
 def _alpaca(record: dict, chat_template: bool) -> tuple[str, dict]:
-    instruction, output = _string(record, "instruction"), _string(record, "output")
+    instruction, output = string_field(record, "instruction"), string_field(record, "output")
     extra = _optional_string(record, "input")
     system = _optional_string(record, "system")
     if chat_template:
@@ -134,7 +135,12 @@ def _sharegpt(record: dict) -> list[dict]:
     return messages
 
 
-def _string(record: dict, name: str) -> str:
+def string_field(record: dict, name: str) -> str:
+    """The string field `name` of `record`.
+
+    Raises:
+        ShapeProblem: it is missing or not a string.
+    """
     if name not in record:
         raise ShapeProblem(f"missing field '{name}' (keys found: {sorted(record)})")
     value = record[name]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import ConfigError, DataError
-from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise
+from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise, string_field
 from .formats import FORMATS, canonical_format, detect_format
 from .read import RecordProblem, data_error, json_type, read_records, source_of, unit_of
 
@@ -42,8 +42,9 @@ MAX_LISTED_LINES = 10
 """Line numbers of dropped records a DataStats message lists; the rest are counted."""
 
 
-class _RecordProblem(Exception):
-    """Internal: what is wrong with one record; becomes a RecordProblem with the record's line number."""
+_RecordProblem = ShapeProblem
+"""Internal: what is wrong with one record (a field, or the chat template); becomes a RecordProblem with the
+record's line number. The same exception `convert.normalise` raises for a record's fields."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,13 +334,13 @@ class _Encoder:
         if fmt == "chat":
             return self.chat(record)
         if fmt == "completion":
-            prompt, completion = _string_field(record, "prompt"), _string_field(record, "completion")
+            prompt, completion = string_field(record, "prompt"), string_field(record, "completion")
             if not completion.strip():
                 return [], []
             prompt_ids = self.prefix + self.ids(prompt)
             completion_ids = self.with_eos(self.ids(completion))
             return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
-        text = _string_field(record, "text")
+        text = string_field(record, "text")
         if not text.strip():
             return [], []
         ids = self.with_eos(self.prefix + self.ids(text))
@@ -516,16 +517,6 @@ def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _string_field(record: dict, name: str) -> str:
-    if name not in record:
-        raise _RecordProblem(f"missing field '{name}' (keys found: {sorted(record)})")
-    value = record[name]
-    if not isinstance(value, str):
-        hint = "; for conversations use format chat" if isinstance(value, list) else ""
-        raise _RecordProblem(f"field '{name}' is a {json_type(value)}, not a string{hint}")
-    return value
-
-
 def _messages_field(record: dict) -> list[dict]:
     if "messages" not in record:
         raise _RecordProblem(f"missing field 'messages' (keys found: {sorted(record)})")
@@ -643,10 +634,7 @@ def encode_one(encoder: "_Encoder", fmt: str, record: dict, chat_template: bool)
     Raises:
         _RecordProblem: the record lacks its format's fields, or the chat template cannot render it.
     """
-    try:
-        shape, normalised = normalise(fmt, record, chat_template)
-    except ShapeProblem as problem:
-        raise _RecordProblem(str(problem)) from None
+    shape, normalised = normalise(fmt, record, chat_template)
     ids, labels = encoder.encode(shape, normalised)
     if labels:
         labels[0] = IGNORE_INDEX  # never a target: the loss scores labels[t + 1] against the logits at t
