@@ -10,7 +10,7 @@ from .. import __version__
 from ..errors import FituneError
 from . import chat, doctor, estimate, eval, export, generate, merge, plan, profile, report, train
 
-SUBCOMMANDS = (estimate, plan, profile, train, doctor, report, export, chat, generate, merge, eval)
+SUBCOMMANDS = (estimate, plan, train, chat, generate, eval, merge, export, profile, doctor, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

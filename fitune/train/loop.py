@@ -456,8 +456,13 @@ def _write_pretrained(cfg: TrainConfig, folder, name: str, model, tokenizer) -> 
     state = full_state_dict(model, cfg.setup.strategy)  # [parallel] FSDP2 / ZeRO-3: gathered on rank 0 (else None)
     if not ranks.is_main():  # [parallel] rank 0 alone writes
         return os.path.join(cfg.output_dir, name)
+    kwargs = {"state_dict": state} if state is not None else {}
+    if name == "adapter":
+        # fitune never resizes the vocabulary, so the base's embedding tables are not part of the adapter; PEFT's
+        # "auto" would read the base's config.json to decide, and warns when `model:` is a .gguf file or a Hub id
+        kwargs["save_embedding_layers"] = False
     with folder.writing(name) as tmp:  # a failed write (a full disk) says what to do; the checkpoints stay
-        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
+        model.save_pretrained(tmp, safe_serialization=True, **kwargs)
         tokenizer.save_pretrained(tmp)
     return os.path.join(cfg.output_dir, name)
 
