@@ -264,6 +264,151 @@ def test_tiny_mistral_q8_0_reads_back_and_keeps_partial_blocks_f16(tiny_mistral,
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
+# ---- SentencePiece-style tokenizers (Llama 2, Mistral 7B v0.3) ---------------------------------------------------
+
+SPM_TEXT = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there! How are you today?",
+            "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)",
+            "Mistral and Llama tokenize text with SentencePiece pieces and byte fallback.",
+            "The capital of France is Paris; the capital of Italy is Rome."]
+MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+                    "message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}"
+                    "{% endfor %}")
+#: strings the file tokenizes exactly as the source does: ASCII, byte fallback (unicode the vocabulary lacks),
+#: control tokens after text or alone
+SPM_SAME = ["Hello world", "The capital of France is Paris.", "naïve café 日本語 🦙 ½", "def fib(n):\n\treturn n",
+            "xyzzy QQQ  two  spaces", "What is the capital? [/INST]", "Paris</s>", "Hi [INST]", "[INST][/INST]</s>"]
+#: strings where llama.cpp's SentencePiece rule differs from transformers': a space before the text's first word
+#: even when there is one already, and before text that follows a control token (llama.cpp's llama-vocab.cpp
+#: `is_prev_special`; github.com/ggml-org/llama.cpp/issues/8584); transformers 5's LlamaTokenizer adds neither
+SPM_LEGACY = [" The quick  brown fox", "   leading spaces", "[INST] What is the capital? [/INST] Paris</s>",
+              "<s>x</s>", "[INST]hi[/INST]"]
+
+
+def _spm_tiny(kind: str, folder: str) -> str:
+    """A tiny random Mistral ("mistral": Mistral 7B v0.3's tokenizer.json shape, with [INST] [/INST]) or Llama
+    ("llama": Llama 2's) with a SentencePiece-style tokenizer.json built offline: <unk> <s> </s> (and [INST]
+    [/INST]) first, then the 256 byte pieces <0x00>..<0xFF>, then BPE pieces learned from SPM_TEXT; byte fallback;
+    spaces made \u2581 by a Metaspace pre-tokenizer (v0.3) or a Prepend + Replace normalizer (Llama 2)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaTokenizerFast, MistralConfig
+
+    specials = ["<unk>", "<s>", "</s>"] + (["[INST]", "[/INST]"] if kind == "mistral" else [])
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    learner.train_from_iterator(SPM_TEXT, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for piece, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, [tuple(m) for m in learned["merges"]], unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    if kind == "mistral":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                              chat_template=MISTRAL_TEMPLATE)
+    config = (MistralConfig if kind == "mistral" else LlamaConfig)(
+        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.1 + (1.0 if param.dim() == 1 else 0.0))
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _legacy_ids(folder: str, text: str) -> list[int]:
+    """`text` tokenized by SentencePiece's legacy rule, the one llama.cpp applies: the folder's vocabulary and
+    merges with Llama 2's normalizer (\u2581 before every text piece, spaces made \u2581); no bos."""
+    from tokenizers import Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    # without bos: transformers' GGUF reader does not read tokenizer.ggml.add_bos_token (asserted in the file)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("kind", ["mistral", "llama"])
+def test_sentencepiece_style_tokenizer_is_written_as_llama_and_reads_back(kind, tmp_path):
+    from transformers import AutoTokenizer
+
+    # a folder named *mistral* would make transformers' GGUF reader build MistralForCausalLM from general.name,
+    # whose tensors it then cannot map (modeling_gguf_pytorch_utils: "Unknown gguf model_type: mistral")
+    folder = _spm_tiny(kind, str(tmp_path / {"mistral": "v0.3-shape", "llama": "llama2-shape"}[kind]))
+    src_tok = AutoTokenizer.from_pretrained(folder)
+    n_special = 5 if kind == "mistral" else 3
+    n_tokens = len(src_tok)
+    path = str(tmp_path / f"{kind}.gguf")
+    result = export_gguf(folder, path, "f16")
+    assert result["tokenizer"] == {"model": "llama", "pre": "default", "tokens": n_tokens, "chat_template": True}
+    assert result["special_ids"] == {"bos": 1, "eos": 2, "unk": 0}
+    assert result["notes"] == []
+
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    assert "tokenizer.ggml.merges" not in reader.fields  # llama.cpp's SentencePiece tokenizer merges by score
+    assert _field(reader, "tokenizer.ggml.add_space_prefix") is True
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is True
+    assert "tokenizer.ggml.add_eos_token" not in reader.fields
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    assert tokens == [t for t, _ in sorted(src_tok.get_vocab().items(), key=lambda kv: kv[1])]
+    T = gguf.TokenType
+    assert types == [T.UNKNOWN] + [T.CONTROL] * (n_special - 1) + [T.BYTE] * 256 + \
+        [T.NORMAL] * (n_tokens - n_special - 256)
+    # a piece scores minus the rank of the merge that makes it; bytes, control tokens and single characters 0
+    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+        merges = json.load(f)["model"]["merges"]
+    made = {a + b: -float(r) for r, (a, b) in enumerate(merges)}
+    assert scores == [made.get(t, 0.0) for t in tokens]
+    assert sum(score < 0 for score in scores) == len(merges) - 1  # each merge makes its own piece; the first -0.0
+
+    model, tok = _load_gguf(path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert src_tok("a").input_ids[0] == 1  # the source adds bos, as the file says llama.cpp should
+    for text in SPM_SAME:
+        assert _ids(tok, text) == _ids(src_tok, text), text
+        assert _legacy_ids(folder, text) == _ids(src_tok, text), text  # both rules agree on these
+    for text in SPM_LEGACY:
+        assert _ids(tok, text) == _legacy_ids(folder, text), text
+        if kind == "mistral" or "[INST]" not in text:  # (Llama 2's vocabulary has no [INST]: plain text there)
+            assert _ids(tok, text) != _ids(src_tok, text), text  # transformers 5 reads both shapes non-legacy
+    assert tok.chat_template == src_tok.chat_template == MISTRAL_TEMPLATE
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == src_tok.apply_chat_template(messages, tokenize=False) \
+        == "<s>[INST] Hi [/INST]"
+    # the file's eos is </s>; transformers' GGUF reader (5.17) names bos's text as eos when it rebuilds a "llama"
+    # tokenizer (GGUFLlamaConverter.tokenizer: `eos_token = proto.tokens[proto.bos_token_id]`), so not compared
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == 2
+
+    src = _source_model(folder)
+    ids = src_tok(SPM_TEXT[2] + " [INST] Hello [/INST]").input_ids
+    a, b = _logits(src, ids), _logits(model, ids)
+    torch.testing.assert_close(b, a, atol=0.02, rtol=0)  # as the tiny Qwen2; measured 0.0024 (v0.3), 0.0036
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    print(f"{kind}: max |logits difference| {(a - b).abs().max().item():.4g}")
+
+
+def _source_model(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 # ---- the command and its refusals ------------------------------------------------------------------------------
 
 
@@ -324,10 +469,18 @@ def test_refusals_name_the_problem(tiny_mistral, tmp_path):
     with pytest.raises(ExportError, match=r"pre-tokenizer is not one fitune knows \(check hash [0-9a-f]{64}.*"
                                           r"llama-bpe \(Llama 3\), qwen2 \(Qwen2, Qwen2.5\), smollm"):
         export_gguf(str(odd), str(tmp_path / "x.gguf"), "f16")
-    # SentencePiece (Llama 2, Mistral 7B): no tokenizer.json to write from
+    # a tokenizer.json of another kind (here a Unigram model): neither of the two fitune writes
+    (odd / "tokenizer.json").write_text(json.dumps({**spec, "model": {"type": "Unigram", "vocab": []}}))
+    with pytest.raises(ExportError, match=r"tokenizer.json is a Unigram tokenizer that is neither byte-level BPE nor "
+                                          r"SentencePiece-style BPE .*; fitune writes byte-level BPE with the "
+                                          r"pre-tokenizers llama-bpe"):
+        export_gguf(str(odd), str(tmp_path / "x.gguf"), "f16")
+    # a SentencePiece tokenizer.model without tokenizer.json: nothing fitune reads the vocabulary from
     os.remove(odd / "tokenizer.json")
     (odd / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(ExportError, match=r"has tokenizer.model \(SentencePiece\); fitune exports byte-level BPE"):
+    with pytest.raises(ExportError, match=r"has tokenizer.model \(SentencePiece\) but no tokenizer.json; fitune "
+                                          r"writes the tokenizer from tokenizer.json \(byte-level BPE .*and "
+                                          r"SentencePiece-style BPE with byte fallback \(Llama 2, Mistral 7B"):
         export_gguf(str(odd), str(tmp_path / "x.gguf"), "f16")
     assert sorted(os.listdir(tmp_path)) == ["odd"]  # nothing written
 

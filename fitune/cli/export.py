@@ -22,7 +22,8 @@ SOURCE is one of:
 
 Architectures: LlamaForCausalLM, MistralForCausalLM (written as GGUF "llama", as llama.cpp does) and
 Qwen2ForCausalLM. Tokenizers: byte-level BPE from tokenizer.json with the pre-tokenizers llama-bpe (Llama 3), qwen2,
-smollm, tekken (Mistral Nemo) and gpt-2; SentencePiece tokenizers (Llama 2, Mistral 7B) are refused. Tied
+smollm, tekken (Mistral Nemo) and gpt-2, and SentencePiece-style BPE from tokenizer.json (Llama 2, Mistral 7B
+v0.1-v0.3: written as GGUF "llama"; a folder with only tokenizer.model is refused). Tied
 embeddings are written once (no output.weight), norms and biases stay f32, and under q8_0 a matrix whose rows are
 not a multiple of 32 values stays f16 (all as llama.cpp does). Measured on SmolLM2-135M against transformers:
 f16 logits within 0.04 (the same top token everywhere), q8_0 within 1.8 (the same top token at 74 of 76

@@ -14,12 +14,15 @@ from that file, the comment says which of its functions:
   (llama.cpp's loader falls back to token_embd);
 - tensor types: `ModelBase.prepare_tensors`: 1-D tensors (norms, biases, rope_freqs) stay f32; with q8_0 a tensor
   whose rows are not a whole number of 32-value blocks falls back to f16;
-- tokenizer: `TextModel.get_vocab_base` / `_set_vocab_gpt2` (tokens, token types, merges through gguf-py's
-  `SpecialVocab`) and `get_vocab_base_pre` (the pre-tokenizer named by the sha256 of the token ids of a fixed text).
+- tokenizer: byte-level BPE (Llama 3, Qwen2, SmolLM2; GGUF "gpt2"): `TextModel.get_vocab_base` / `_set_vocab_gpt2`
+  (tokens, token types, merges through gguf-py's `SpecialVocab`) and `get_vocab_base_pre` (the pre-tokenizer named
+  by the sha256 of the token ids of a fixed text), for the pre-tokenizers of `PRE_TOKENIZERS`; SentencePiece-style
+  BPE from a tokenizer.json (Llama 2, Mistral 7B v0.1-v0.3: byte fallback, \u2581 for spaces; GGUF "llama"):
+  `LlamaModel.set_vocab` -> `_set_vocab_llama_hf` with gguf-py's `LlamaHfVocab` (tokens, scores, token types), with
+  scores in the order a tokenizer.model's have and the unk token typed as `_set_vocab_sentencepiece` types it (see
+  `_read_llama_vocab`).
 
-Only byte-level BPE tokenizers (a tokenizer.json whose pre-tokenizer is byte-level, "gpt2" in GGUF) are written,
-with the pre-tokenizers of `PRE_TOKENIZERS`; SentencePiece tokenizers (Llama 2, Mistral 7B v0.1-v0.3) are refused
-with a message saying so.
+Other tokenizers (a tokenizer.model without tokenizer.json, Unigram, WordPiece) are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ PRE_TOKENIZERS = {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # openai-community/gpt2
 }
 SUPPORTED_PRE = "llama-bpe (Llama 3), qwen2 (Qwen2, Qwen2.5), smollm (SmolLM, SmolLM2), tekken (Mistral Nemo), gpt-2"
+SUPPORTED = (f"byte-level BPE with the pre-tokenizers {SUPPORTED_PRE}; and SentencePiece-style BPE with byte fallback "
+             "(Llama 2, Mistral 7B v0.1-v0.3), written as llama.cpp's \"llama\" tokenizer")
+"""The tokenizers `export_gguf` writes, as its refusals name them."""
 
 # A tokenizer whose hash is not listed (a fine-tune that added tokens, another vocabulary) is still named when its
 # pre-tokenizer is one of these: llama.cpp's pre-tokenizer name selects only the splitting regex (llama-vocab.cpp),
@@ -105,12 +111,15 @@ class _Vocab:
     tokens: list[str]
     token_types: list[int]
     pre: str
-    merges: list[str]
+    merges: list[str]  # "gpt2" only; "llama" stores none (llama.cpp merges by score)
     special_ids: dict[str, int]
     add_bos: bool
     add_eos: bool
     chat_template: str | list | None
     notes: list[str] = field(default_factory=list)
+    model: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style)
+    scores: list[float] | None = None  # "llama" only: llama.cpp first joins the pair whose join scores highest
+    add_space_prefix: bool = False  # "llama": the tokenizer puts \u2581 before the text's first word
 
 
 # ---- the entry point -----------------------------------------------------------------------------------------
@@ -337,18 +346,20 @@ def _read_vocab(folder: str, vocab_size: int) -> _Vocab:
     from transformers import AutoTokenizer
 
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        what = "tokenizer.model (SentencePiece)" if os.path.isfile(os.path.join(folder, "tokenizer.model")) else \
-            "no tokenizer.json"
-        raise ExportError(f"{folder} has {what}; fitune exports byte-level BPE tokenizers from tokenizer.json "
-                          f"({SUPPORTED_PRE}); copy the base model's tokenizer files into the folder, or use "
-                          "llama.cpp's convert_hf_to_gguf.py for a SentencePiece tokenizer")
+        what = "tokenizer.model (SentencePiece) but no tokenizer.json" if \
+            os.path.isfile(os.path.join(folder, "tokenizer.model")) else "no tokenizer.json"
+        raise ExportError(f"{folder} has {what}; fitune writes the tokenizer from tokenizer.json ({SUPPORTED}); "
+                          "copy the base model's tokenizer files (tokenizer.json, tokenizer_config.json) into the "
+                          "folder, or use llama.cpp's convert_hf_to_gguf.py")
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
+    if _is_sentencepiece_style(spec):
+        return _read_llama_vocab(folder, spec, vocab_size)
     model_type = (spec.get("model") or {}).get("type")
     if model_type != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
-        raise ExportError(f"{folder}/tokenizer.json is a {model_type} tokenizer without a byte-level "
-                          "pre-tokenizer (SentencePiece-style, as Llama 2 and Mistral 7B have); fitune exports "
-                          f"byte-level BPE only ({SUPPORTED_PRE}); use llama.cpp's convert_hf_to_gguf.py for it")
+        raise ExportError(f"{folder}/tokenizer.json is a {model_type} tokenizer that is neither byte-level BPE nor "
+                          "SentencePiece-style BPE (byte fallback and a \u2581 Metaspace pre-tokenizer or "
+                          f"normalizer); fitune writes {SUPPORTED}; use llama.cpp's convert_hf_to_gguf.py for it")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     pre = PRE_TOKENIZERS.get(digest) or _pre_from_splits(json.loads(tokenizer.backend_tokenizer.to_str()))
@@ -384,6 +395,13 @@ def _read_vocab(folder: str, vocab_size: int) -> _Vocab:
         tokens.append(token)
 
     special = gguf.SpecialVocab(Path(folder), load_merges=True)
+    ids, add_bos, add_eos, notes = _special_ids(folder, tokenizer, special)
+    return _Vocab(tokens, types, pre, list(special.merges), ids, add_bos, add_eos, special.chat_template, notes)
+
+
+def _special_ids(folder: str, tokenizer, special) -> tuple[dict[str, int], bool, bool, list[str]]:
+    """bos / eos / unk / pad / sep ids (gguf-py's `SpecialVocab`, eos from generation_config.json when it names one
+    other token), whether the tokenizer adds bos / eos itself, and notes."""
     ids = {k: v for k, v in special.special_token_ids.items() if k in ("bos", "eos", "unk", "pad", "sep")}
     notes = []
     eos = _generation_eos(folder)
@@ -399,7 +417,88 @@ def _read_vocab(folder: str, vocab_size: int) -> _Vocab:
     bos, eos_id = ids.get("bos"), ids.get("eos")
     add_bos = bos is not None and with_special[:1] == [bos] and without[:1] != [bos]
     add_eos = eos_id is not None and with_special[-1:] == [eos_id] and without[-1:] != [eos_id]
-    return _Vocab(tokens, types, pre, list(special.merges), ids, add_bos, add_eos, special.chat_template, notes)
+    return ids, add_bos, add_eos, notes
+
+
+def _is_sentencepiece_style(spec: dict) -> bool:
+    """A tokenizer.json shaped as Llama 2's and Mistral 7B's (converted from SentencePiece): a BPE model with byte
+    fallback, spaces turned into \u2581 by a Metaspace pre-tokenizer (Mistral v0.3) or a Replace normalizer (Llama 2).
+    gguf-py's `LlamaHfVocab` takes the same shape (BPE, byte_fallback)."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        return False
+    steps = json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")], ensure_ascii=False)
+    return "ByteLevel" not in steps and ('"Metaspace"' in steps or "\u2581" in steps)
+
+
+def _read_llama_vocab(folder: str, spec: dict, vocab_size: int) -> _Vocab:
+    """A SentencePiece-style tokenizer.json as llama.cpp's "llama" (SentencePiece) vocabulary: convert_hf_to_gguf.py
+    `_set_vocab_llama_hf` with gguf-py's `LlamaHfVocab` (tokens as they are, \u2581 for spaces; <0xNN> byte tokens
+    BYTE; special tokens CONTROL; other added tokens USER_DEFINED; `SpecialVocab` for ids and the chat template; no
+    merges), with two changes, both what `_set_vocab_sentencepiece` writes from a tokenizer.model:
+
+    - scores: `LlamaHfVocab` gives every token -1000, so llama.cpp's tokenizer, which joins the adjacent pair whose
+      join has the highest score, would join left to right; here a token scores minus the rank of the first merge of
+      tokenizer.json that makes it: the order of a tokenizer.model's scores, from which transformers' converter
+      (convert_slow_tokenizer.py, `SentencePieceExtractor`) ordered the merges of Llama 2's and Mistral's
+      tokenizer.json; tokens no merge makes score 0 (bytes, control tokens, single characters: never a join's result);
+    - the unk token is UNKNOWN (a SentencePiece model's type for it), not CONTROL.
+    """
+    from pathlib import Path
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise ExportError(f"{folder}: the tokenizer has token id {max(vocab.values())} but config.json's "
+                          f"vocab_size is {vocab_size}; the tokenizer does not belong to this model")
+    rank: dict[str, int] = {}
+    for r, merge in enumerate(spec["model"].get("merges") or []):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, r)
+    reverse = {i: t for t, i in vocab.items()}
+    added = tokenizer.added_tokens_decoder
+    unk = tokenizer.unk_token_id
+    tokens, scores, types = [], [], []
+    for i in range(vocab_size):
+        if i not in reverse:  # embedding rows past the tokenizer (padded vocabularies): unused
+            tokens.append(f"[PAD{i}]")
+            scores.append(-1000.0)
+            types.append(int(gguf.TokenType.UNUSED))
+            continue
+        token = reverse[i]
+        score = -float(rank[token]) if token in rank else 0.0
+        if i == unk:
+            kind = gguf.TokenType.UNKNOWN
+        elif _is_byte_token(token):
+            kind = gguf.TokenType.BYTE
+        elif i in added and added[i].special:
+            kind = gguf.TokenType.CONTROL
+        elif i in added:
+            kind = gguf.TokenType.USER_DEFINED
+            token = token.replace("\u2581", " ")  # user-defined tokens are matched before \u2581 replaces spaces
+            score = -1000.0
+        else:
+            kind = gguf.TokenType.NORMAL
+        tokens.append(token)
+        scores.append(score)
+        types.append(int(kind))
+    special = gguf.SpecialVocab(Path(folder), load_merges=False, n_vocab=vocab_size)
+    ids, add_bos, add_eos, notes = _special_ids(folder, tokenizer, special)
+    # SentencePiece's add_dummy_prefix: "a" becomes "\u2581a" (Metaspace prepend_scheme first/always, or Llama 2's
+    # Prepend normalizer); llama.cpp reads it as tokenizer.ggml.add_space_prefix
+    first = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))
+    add_space_prefix = bool(first) and first[0].startswith("\u2581")
+    return _Vocab(tokens, types, "default", [], ids, add_bos, add_eos, special.chat_template, notes, model="llama",
+                  scores=scores, add_space_prefix=add_space_prefix)
+
+
+def _is_byte_token(token: str) -> bool:
+    """<0x00> .. <0xFF>: SentencePiece's byte-fallback pieces (gguf-py `LlamaHfVocab.get_token_type`)."""
+    return len(token) == 6 and token.startswith("<0x") and token.endswith(">") and \
+        all(c in "0123456789ABCDEFabcdef" for c in token[3:5])
 
 
 def _pre_from_splits(spec: dict) -> str | None:
@@ -490,7 +589,7 @@ def _write(out_path: str, arch: str, hp: dict, vocab: _Vocab, tensors: list[_Ten
         "bytes": os.path.getsize(out_path),
         "parameters": n_params,
         "tensor_types": types,
-        "tokenizer": {"model": "gpt2", "pre": vocab.pre, "tokens": len(vocab.tokens),
+        "tokenizer": {"model": vocab.model, "pre": vocab.pre, "tokens": len(vocab.tokens),
                       "chat_template": vocab.chat_template is not None},
         "special_ids": dict(vocab.special_ids),
         "metadata_keys": metadata_keys,
@@ -532,18 +631,22 @@ def _add_metadata(writer, arch: str, hp: dict, vocab: _Vocab, qtype: str, name: 
         writer.add_vocab_size(hp["vocab_size"])
         writer.add_rope_dimension_count(hp["head_dim"])
 
-    # _set_vocab_gpt2 + SpecialVocab.add_to_gguf
-    writer.add_tokenizer_model("gpt2")
+    # _set_vocab_gpt2 / _set_vocab_llama_hf + SpecialVocab.add_to_gguf
+    writer.add_tokenizer_model(vocab.model)
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
     writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
+    if vocab.model == "gpt2":
+        writer.add_token_merges(vocab.merges)
     for kind, token_id in vocab.special_ids.items():
         getattr(writer, f"add_{kind}_token_id")(token_id)
     writer.add_add_bos_token(vocab.add_bos)
     if vocab.add_eos:
         writer.add_add_eos_token(True)
-    writer.add_add_space_prefix(False)  # byte-level BPE adds no space before the first word (SmolLM2's GGUF: False)
+    # byte-level BPE adds no space before the first word (SmolLM2's GGUF: False); SentencePiece-style does
+    writer.add_add_space_prefix(vocab.add_space_prefix)
     if vocab.chat_template is not None:
         writer.add_chat_template(vocab.chat_template)
 
