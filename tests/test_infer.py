@@ -406,3 +406,15 @@ def test_lm_eval_command_for_each_kind_of_weights():
         "dtype=bfloat16" + tail)
     assert lm_eval_command(info("merged", "/runs/x/merged", None, "lora", "fp16")) == (
         "lm_eval --model hf --model_args pretrained=/runs/x/merged,dtype=float16" + tail)
+
+
+def test_eval_says_a_missing_data_file_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """`fitune eval RUN --data /nope.jsonl`: the data error comes first, not after the model has loaded."""
+    import fitune.cli.generate as generate_cli
+
+    def must_not_load(args):
+        raise AssertionError("the model was loaded before the data file was checked")
+
+    monkeypatch.setattr(generate_cli, "load_from_args", must_not_load)
+    assert main(["eval", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl: no such file or folder" in capsys.readouterr().err

@@ -52,6 +52,9 @@ def run(args) -> int:
         raise ConfigError(f"--batch-size {args.batch_size}: give at least 1")
     if args.seq_len is not None and args.seq_len < 2:
         raise ConfigError(f"--seq-len {args.seq_len}: give at least 2 tokens (typical: 512-4096)")
+    from ..data.read import read_records
+
+    read_records(args.data)  # a missing or unreadable data file is said before the model loads (seconds to minutes)
     model, tokenizer, info = load_from_args(args)
     seq_len = args.seq_len or info.seq_len_tokens or DEFAULT_SEQ_LEN_TOKENS
     with progress_callback("eval", "batch", enabled=not args.json) as progress:
