@@ -135,7 +135,8 @@ def test_a_run_without_adapter_names_its_newest_checkpoint(run_dir, loaded, tmp_
             rf"interrupted or has not finished, its newest complete checkpoint is {newest}: load it with "
             rf"`--checkpoint {newest}`, or finish the run with `fitune train CONFIG --resume`$")):
         describe_folder(str(unfinished))
-    assert main(["eval", str(unfinished), "--data", "x.jsonl"]) == 2
+    data = _write_jsonl(tmp_path / "x.jsonl", [{"text": "a line to score"}])  # data first: it is checked first
+    assert main(["eval", str(unfinished), "--data", data]) == 2
     assert f"--checkpoint {newest}" in capsys.readouterr().err
     with pytest.raises(RunLoadError, match="--merged: run .* has no merged/ .*fitune merge"):
         describe_folder(run_dir, merged=True)
