@@ -485,6 +485,22 @@ def test_plan_with_data_sets_the_sequence_length(tmp_path, capsys):
     assert doc["data"]["examples"] == 40
 
 
+def test_plan_with_data_keeps_an_explicit_seq_len(tmp_path, capsys):
+    """Issue 31: `plan --data train.jsonl --seq-len 2048` replaced the 2048 with 64. The user's --seq-len stays; the
+    note says what the lengths alone would pick."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tiny import make_chat_data, make_tokenizer
+
+    tok = make_tokenizer(str(tmp_path / "tok"))
+    data = make_chat_data(str(tmp_path / "train.jsonl"), n=40)
+    rc, out, _ = _run(["plan", "llama-3.2-1b", "--gpu", "rtx4090", "--data", data, "--tokenizer", tok,
+                       "--seq-len", "2048", "--json"], capsys)
+    doc = json.loads(out)
+    assert rc == 0 and doc["request"]["seq_len_tokens"] == 2048
+    assert any("--seq-len 2,048 kept as given" in n and "the plan would use 64" in n for n in doc["notes"])
+
+
 @pytest.mark.slow
 def test_written_plan_trains_with_fitune_train(tmp_path, monkeypatch, capsys):
     """End to end on the CPU: plan a tiny model folder with its data, write the config, run it for two steps."""

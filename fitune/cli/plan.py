@@ -17,7 +17,7 @@ Search the training setups of MODEL that fit the GPU and rank them by predicted 
 The method stays yours (--method, LoRA by default) unless you name others it may switch to (--method lora,qlora);
 the search varies the micro-batch and gradient accumulation
 (their product stays the batch you ask for), activation checkpointing, attention and optimizer; with --data the
-sequence length comes from the token lengths (the 99th percentile, rounded up to 64, at most --seq-len) and
+sequence length comes from the token lengths (the 99th percentile, rounded up to 64; an explicit --seq-len stays) and
 packing is turned on when it removes at least 10 % of the padding, or when rows without it would be under half
 the sequence length. LoRA rank and targets stay as you give them.
 On Llama (where it was measured) each decoder layer is compiled when Triton is installed (CUDA builds of PyTorch
@@ -302,10 +302,18 @@ def _read_data(args, model):
 
     with progress_callback("plan: encoding --data", "record", enabled=not args.json) as progress:
         profile = profile_data(args.data, tokenizer, progress=progress)
-    seq, truncated = choose_seq_len(profile, kept_setup(args).seq_len_tokens)
-    notes = [f"--data {args.data}: {profile.examples:,} {profile.format} examples, mean {profile.mean_tokens:,.0f} tokens, 99th percentile "
-             f"{profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,} -> --seq-len {seq}"
-             + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]
+    given = getattr(args, "cfg_seq_len_tokens", None) is not None  # an explicit --seq-len is the user's and stays
+    cap = kept_setup(args).seq_len_tokens
+    seq, truncated = choose_seq_len(profile, cap)
+    lengths = (f"--data {args.data}: {profile.examples:,} {profile.format} examples, mean {profile.mean_tokens:,.0f} "
+               f"tokens, 99th percentile {profile.percentile_tokens(0.99):,}, longest {profile.max_tokens:,}")
+    if given:
+        truncated = sum(1 for n in profile.lengths_tokens if n > cap)
+        notes = [f"{lengths}; --seq-len {cap:,} kept as given"
+                 + (f" ({truncated:,} longer examples are truncated)" if truncated else "")
+                 + (f" (without --seq-len the plan would use {seq:,}, from the lengths)" if seq < cap else "")]
+        return profile, cap, notes
+    notes = [f"{lengths} -> --seq-len {seq}" + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]
     return profile, seq, notes
 
 
