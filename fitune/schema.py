@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -272,10 +273,35 @@ def _choice(k: Key, value: Any, name: str, problems: Problems) -> Any:
         return low
     if k.kind == "checkpointing" and low.startswith("selective:"):
         return low
-    close = difflib.get_close_matches(low, list(k.choices) + list(aliases), n=1, cutoff=0.6)
-    hint = f"; did you mean {aliases.get(close[0], close[0])}?" if close else ""
+    close = closest_of_same_width(low, list(k.choices) + list(aliases))
+    width = _bit_width(low)
+    same = f" (the same {width}-bit precision)" if width else ""
+    hint = f"; did you mean {aliases.get(close, close)}?{same}" if close else ""
     problems.add(f"{name} {text!r} is not one of: {', '.join(k.choices)}{hint}")
     return _BAD
+
+
+_BIT_WIDTH = re.compile(r"(\d+)[_-]?bit")
+
+
+def _bit_width(name: str) -> int | None:
+    """The bit width a value's name states (`paged_adamw_32bit` -> 32, `adamw8bit` -> 8), None when none."""
+    m = _BIT_WIDTH.search(name)
+    return int(m.group(1)) if m else None
+
+
+def closest_of_same_width(value: str, candidates: list[str]) -> str | None:
+    """The candidate closest to `value` among those of the same bit width (a name without one counts as 32-bit:
+    `adamw` keeps 32-bit states), so that `paged_adamw_32bit` is never offered `paged_adamw8bit`, another precision.
+    When no full name is close, the names are compared without the width and bitsandbytes' `paged` prefix
+    (`paged_adamw_32bit` -> `adamw`). None when nothing is close."""
+    width = _bit_width(value) or 32
+    same = [c for c in candidates if (_bit_width(c) or 32) == width]
+    close = difflib.get_close_matches(value, same, n=1, cutoff=0.6)
+    if not close and _bit_width(value):
+        core = _BIT_WIDTH.sub("", value).replace("paged", "").strip("_-")
+        close = difflib.get_close_matches(core, same, n=1, cutoff=0.6) if core else []
+    return close[0] if close else None
 
 
 def _names(k: Key, value: Any, name: str, problems: Problems, targets: bool) -> Any:
@@ -375,7 +401,17 @@ def _unknown_key(path: str, tree: dict, prefix: str) -> str:
     if close:
         return f"{path}: not a fitune key; did you mean {' or '.join(close)}?"
     where = f"under {prefix.rstrip('.')}: " if prefix else ""
-    return f"{path}: not a fitune key ({where}known: {', '.join(sorted(known))})"
+    return f"{path}: not a fitune key ({where}{KNOWN_LIST}{', '.join(sorted(known))})"
+
+
+#: How an unknown-key problem starts its list of fitune's keys (`without_known_list` cuts it).
+KNOWN_LIST = "known: "
+
+
+def without_known_list(problem: str) -> str:
+    """An unknown-key problem without its list of fitune's keys (`x: not a fitune key (known: a, b, ...)` ->
+    `x: not a fitune key`): for a listing of many such problems, where the list would repeat on every line."""
+    return re.sub(r" \((?:under [^:()]+: )?" + re.escape(KNOWN_LIST) + r"[^()]*\)$", "", problem)
 
 
 def unknown_flag_hint(flag: str, known_flags: list[str], keys: list[Key]) -> str:

@@ -45,3 +45,11 @@ def human_bytes(n_bytes: int | float, scale: int | float | None = None) -> str:
     if ref >= GiB:
         return f"{n_bytes / GiB:.2f} GiB"
     return f"{n_bytes / MiB:.2f} MiB"
+
+
+def count_text(n: int | float) -> str:
+    """A parameter count as people write it: 8.03B, 3.41M, 41.2K, 512 (a tiny model is never "0.00B")."""
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 2), (1e3, "K", 1)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f}{suffix}"
+    return f"{int(n)}"

@@ -96,7 +96,7 @@ def demo(tmp_path, monkeypatch):
 
 def test_axolotl_config_translates_key_by_key_and_says_what_it_drops(demo):
     out, notes = translate(yaml.safe_load(AXOLOTL))
-    assert out["model"] == "./demo/model" and out["data"] == {"path": "./demo/train.jsonl"}
+    assert out["model"] == "./demo/model" and out["data"] == {"path": "./demo/train.jsonl", "format": "chat"}  # type: chat_template
     assert out["method"] == "qlora" and out["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.05,
                                                        "targets": ["all-linear"]}
     assert (out["seq_len"], out["batch_size"], out["grad_accum"], out["epochs"]) == (64, 4, 2, 1)
@@ -121,7 +121,7 @@ def test_torchtune_sections_translate_with_transformers_module_names():
 def test_hf_training_arguments_translate_and_report_to_none_is_fitunes_too():
     out, notes = translate(HF)
     assert (out["model"], out["data"]["path"], out["batch_size"], out["optimizer"]) == ("m", "t.jsonl", 4,
-                                                                                      "paged_adamw_8bit")
+                                                                                      "paged_adamw8bit")
     assert out["keep_checkpoints"] == 2 and out["dtype"] == "bf16" and out["seed"] == 42
     assert any("--resume" in n for n in notes) and any(n.startswith("fp16") for n in notes)
     assert out["report_to"] == "none"  # HF's spelling, kept: fitune's own reader takes it as "no logger"
@@ -156,10 +156,10 @@ def test_cli_translate_prints_yaml_and_the_error_points_to_it(demo, tmp_path, ca
     assert "# not carried over, warmup_ratio" in text and "to fix before training" not in text
     code = main(["train", str(cfg)])
     err = capsys.readouterr().err
-    assert code == 2 and "did you mean lr?" in err and f"fitune train {cfg} --translate > run.yaml" in err
+    assert code == 2 and "did you mean model?" in err and f"fitune train {cfg} --translate > run.yaml" in err
     (tmp_path / "h.json").write_text(json.dumps({"learning_rate": 1e-4}))
     assert main(["train", str(tmp_path / "h.json"), "--translate"]) == 0
-    assert "# to fix before training: model: not given" in capsys.readouterr().out
+    assert "# to fix before training: model: not set" in capsys.readouterr().out
 
 
 def test_translated_yaml_lists_what_fitune_still_refuses():

@@ -20,7 +20,13 @@ and verdict of fitune estimate, and when it does not fit cleanly ranks the small
 make it fit, each with the lines to change, its memory and its predicted speed. Then the rule findings: a rule, a
 line, a severity (error | warning | info), a message, a fix, and its evidence (a live estimate of this script's
 step with and without the fix, a measured figure from fitune's GPU benchmarks, a source reference, or a reasoned
-statement marked as such). `--list-rules` prints the rules.
+statement marked as such). `--list-rules` prints the rules. --html FILE writes all of it as one page: the setup, the
+estimate and its verdict, the ranked fixes, and the findings on the script's lines.
+
+A Jupyter notebook (.ipynb) is read as its code cells joined in order (`!shell` and `%magic` lines skipped); every
+line is given as "cell 3, line 2" (cells counted from 1 over the whole notebook, markdown included; in --json each
+finding has `cell` beside `line`). A data, text, Markdown or YAML file is refused (exit 2) with the command that
+reads it.
 
 --data FILE --tokenizer DIR: tokenises every record (.jsonl or .json; chat {"messages"}, {"prompt",
 "completion"} or {"text"} records) and prints the token-length histogram, the share of padding when padding to
@@ -52,7 +58,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("doctor", help="find what is wrong in a training script or data file",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("script", nargs="?", metavar="SCRIPT", help="a training script (.py); read, never run")
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="a training script (.py) or notebook (.ipynb); read, "
+                   "never run")
     p.add_argument("--data", metavar="FILE", help="a .jsonl / .json data file to scan instead of a script")
     p.add_argument("--tokenizer", metavar="DIR", help="with --data: a folder holding the tokenizer (a model folder)")
     p.add_argument("--gpu", metavar="NAME|NGiB", help=f"SCRIPT: judge the fit on this GPU (default {DEFAULT_GPU}) "
@@ -119,47 +126,63 @@ def setup_overrides(args) -> dict:
 
 
 def _run_script(args, worst_exit_code) -> int:
-    from ..doctor.report import count_text, format_findings, format_fixes, format_script_setup
-    from ..doctor.rules import ALL_RULES
     from ..doctor.script import diagnose_script
     from ..specs.gpu import resolve_gpu
-    from .estimate import estimate_to_json, format_estimate
 
     gpu = resolve_gpu(DEFAULT_GPU if args.gpu is None else args.gpu)
     report = diagnose_script(args.script, gpu, setup_overrides(args), args.model)
-    findings, d = report.findings, report.diagnosis
-    from ..report import maybe_write_html
+    doc = _script_document(args.script, gpu.name, report)
+    if args.html is not None:
+        from ..doctor.html import write_script_page
 
-    maybe_write_html(args, "doctor", [f.to_dict() for f in findings])
+        write_script_page(args.html, report, doc)
+        print(f"wrote {args.html} (open it in a browser)", file=sys.stderr)
     if args.json:
-        doc = {"script": args.script, "gpu": gpu.name,
-               "setup": report.script.to_dict() if report.script else None,
-               "estimate": estimate_to_json(d.estimate) if d else None,
-               "tokens_per_s": round(d.tokens_per_s, 1) if d else None,
-               "fixes": [f.to_dict() for f in d.fixes] if d else [],
-               "plan": d.runner_plan.to_dict() if d and d.runner_plan else None,
-               "findings": [f.to_dict() for f in findings]}
         json.dump(doc, sys.stdout, indent=2)
         print()
-        return worst_exit_code(findings)
+    else:
+        print(_script_text(args.script, report))
+    return worst_exit_code(report.findings)
+
+
+def _script_document(path: str, gpu_name: str, report) -> dict:
+    """`fitune doctor SCRIPT --json`'s document (keys: SCRIPT_JSON_KEYS). For a notebook, every line counts within
+    its cell, with a `cell` key beside it (fitune.doctor.notebook.Notebook.locate_document)."""
+    from .estimate import estimate_to_json
+
+    d = report.diagnosis
+    doc = {"script": path, "gpu": gpu_name,
+           "setup": report.script.to_dict() if report.script else None,
+           "estimate": estimate_to_json(d.estimate) if d else None,
+           "tokens_per_s": round(d.tokens_per_s, 1) if d else None,
+           "fixes": [f.to_dict() for f in d.fixes] if d else [],
+           "plan": d.runner_plan.to_dict() if d and d.runner_plan else None,
+           "findings": [f.to_dict() for f in report.findings]}
+    notebook = report.source.notebook if report.source is not None else None
+    return notebook.locate_document(doc) if notebook is not None else doc
+
+
+def _script_text(path: str, report) -> str:
+    """What `fitune doctor SCRIPT` prints: the setup, the estimate, the fixes, then the findings."""
+    from ..doctor.report import count_text, format_findings, format_fixes, format_script_setup
+    from ..doctor.rules import ALL_RULES
+    from .estimate import format_estimate
+
+    notebook = report.source.notebook if report.source is not None else None
+    d, findings, out = report.diagnosis, report.findings, []
     if d is not None:
-        print(format_script_setup(report.script, args.script))
-        print()
-        print(_estimate_text(format_estimate(d.estimate)))
-        fixes = format_fixes(d)
+        out += [format_script_setup(report.script, path, notebook), "", _estimate_text(format_estimate(d.estimate))]
+        fixes = format_fixes(d, notebook)
         if fixes:
-            print()
-            print(fixes)
+            out += ["", fixes]
     else:
-        print(f"{args.script}: no model load found, so no estimate (name one with --model, e.g. --model "
-              "llama-3.1-8b)")
-    print()
+        out.append(f"{path}: no model load found, so no estimate (name one with --model, e.g. --model llama-3.1-8b)")
+    out.append("")
     if findings:
-        print(f"{args.script}: {count_text(findings)}\n")
-        print(format_findings(findings, args.script))
+        out += [f"{path}: {count_text(findings)}\n", format_findings(findings, path, notebook)]
     else:
-        print(f"{args.script}: no findings ({len(ALL_RULES)} rules checked)")
-    return worst_exit_code(findings)
+        out.append(f"{path}: no findings ({len(ALL_RULES)} rules checked)")
+    return "\n".join(out)
 
 
 def _estimate_text(text: str) -> str:

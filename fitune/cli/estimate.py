@@ -8,7 +8,7 @@ import sys
 
 from ..errors import ConfigError
 from ..setup import TrainSetup, technique_labels
-from ..units import gib
+from ..units import count_text, gib
 
 DESCRIPTION = """\
 Estimate the peak GPU memory of one fine-tuning step, before running it.
@@ -64,6 +64,21 @@ def setup_from_args(args) -> TrainSetup:
     return setup
 
 
+def _setup_pointing_to_translate(args) -> TrainSetup:
+    """`setup_from_args`; another trainer's --config first gets one line pointing to `fitune train --translate`."""
+    try:
+        return setup_from_args(args)
+    except ConfigError as exc:
+        if not getattr(args, "config", None):
+            raise
+        from ..translate import foreign_config_error
+
+        pointed = foreign_config_error(exc, args.config, then="fitune estimate --config run.yaml")
+        if pointed is None:
+            raise
+        raise pointed from None
+
+
 def run(args) -> int:
     from ..specs.gpu import catalog_gpu_names, gpu_catalog, resolve_gpu
     from ..specs.model import describe_source, load_model_spec, model_catalog
@@ -77,7 +92,7 @@ def run(args) -> int:
             e = gpu_catalog()[name]
             print(f"{name:18s} {e['total_memory_mib'] / 1024:6.1f} GiB  {e.get('display_name', '')}")
         return 0
-    setup = setup_from_args(args)
+    setup = _setup_pointing_to_translate(args)
     if not args.model:
         raise ConfigError("MODEL is missing: name a catalog model (e.g. llama-3.1-8b), a config.json or a model folder")
     if args.html is not None:
@@ -177,7 +192,7 @@ def format_estimate(est, suggestions=()) -> str:
     techniques = technique_labels(s)
     if techniques:
         lines.append(f"  with {', '.join(techniques)}")
-    lines.append(f"  {est.total_params / 1e9:.2f}B parameters, {est.trainable_params / 1e6:.2f}M trainable")
+    lines.append(f"  {count_text(est.total_params)} parameters, {count_text(est.trainable_params)} trainable")
     per_gpu = _per_gpu(s)
     if per_gpu:
         lines.append(f"  per GPU: one of {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}, strategy {s.strategy} "

@@ -1,4 +1,4 @@
-"""`fitune train CONFIG.yaml`: fine-tune with fitune's own runner."""
+"""`fitune train [CONFIG.yaml]`: fine-tune with fitune's own runner (the flags alone make a config too)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ step (smaller micro-batches with more accumulation, then checkpointing) and retr
 
 The config is YAML (see the README, "fitune train"); flags override its keys:
   fitune train run.yaml --max-steps 200 --set lora.rank=16 --set data.eval_path=eval.jsonl
+Every key has a flag, so the file is optional; without one, the flags are the whole config:
+  fitune train --model ./my-model --data train.jsonl --method qlora --max-steps 200 --output-dir runs/x
 Another trainer's config (Axolotl, HF Trainer / TRL, torchtune) becomes a fitune config with:
   fitune train axolotl.yml --translate > run.yaml
 
@@ -39,7 +41,8 @@ Without CUDA, FITUNE_CPU_RANKS=1 rehearses the run as N CPU processes (gloo).
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="fine-tune with fitune's runner", description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", metavar="CONFIG.yaml", help="the training config")
+    p.add_argument("config", metavar="CONFIG.yaml", nargs="?", default=None,
+                   help="the training config (optional: without it the flags give every key)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="output_dir holds another run: move it to output_dir.old-<time> and start fresh")
@@ -83,23 +86,29 @@ def run(args) -> int:
         from .common import check_output_file
 
         check_output_file(args.html, "--html", make_parents=True)
-    doc = load_config_file(args.config)
-    if args.translate:
-        from ..translate import translated_yaml
+    if args.config is None:
+        if args.translate:
+            raise ConfigError("--translate needs the other trainer's config file: fitune train axolotl.yml "
+                              "--translate > run.yaml")
+        cfg = _config_from_flags(args)
+    else:
+        doc = load_config_file(args.config)
+        if args.translate:
+            from ..translate import translated_yaml
 
-        if not isinstance(doc, dict):
-            raise ConfigError(f"{args.config}: expected a mapping of keys to translate")
-        print(translated_yaml(doc, args.config), end="")
-        return 0
-    try:
-        cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
-    except ConfigError as exc:
-        from ..schema import OTHER_TRAINERS_NAME
+            if not isinstance(doc, dict):
+                raise ConfigError(f"{args.config}: expected a mapping of keys to translate")
+            print(translated_yaml(doc, args.config), end="")
+            return 0
+        try:
+            cfg = config_from_dict(doc, args.config, parse_overrides(args), train_values_from_args(args))
+        except ConfigError as exc:
+            from ..translate import foreign_config_error
 
-        if OTHER_TRAINERS_NAME not in str(exc):
-            raise
-        raise ConfigError(f"{exc}\n  this looks like another trainer's config: `fitune train {args.config} --translate "
-                          "> run.yaml` writes it with fitune's names (and says what it could not carry over)") from None
+            pointed = foreign_config_error(exc, args.config, doc)
+            if pointed is None:
+                raise
+            raise pointed from None
     from ..config import preflight_problems
 
     if preflight_problems(cfg):
@@ -129,6 +138,23 @@ def run(args) -> int:
     print_result(result)
     maybe_write_html(args, "train", result.output_dir)
     return 0
+
+
+def _config_from_flags(args):
+    """No CONFIG.yaml: the run from its flags (and --set) alone. A problem names the flag to give (`--model
+    missing`), not a YAML key of a file that does not exist; a key given with --set keeps its dotted name."""
+    import re
+
+    from ..config import ALL_KEYS, config_from_dict, train_values_from_args
+
+    overrides = parse_overrides(args)
+    try:
+        return config_from_dict({}, "the command line", overrides, train_values_from_args(args))
+    except ConfigError as exc:
+        flags = {k.yaml: k.flag for k in ALL_KEYS if k.yaml not in overrides}
+        names = "|".join(re.escape(y) for y in sorted(flags, key=len, reverse=True))
+        as_flag = re.compile(rf"(?<![\w.-])({names}):")  # `model:` and `/ epochs:`, not `data.path:` inside a path
+        raise ConfigError([as_flag.sub(lambda m: flags[m.group(1)], p) for p in exc.problems]) from None
 
 
 def _quiet_library_progress_bars() -> None:

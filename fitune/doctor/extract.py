@@ -9,7 +9,9 @@ What is read, and from where (each recovered field keeps the lines it came from)
 | `TrainingArguments` / `SFTConfig(per_device_train_batch_size=, gradient_accumulation_steps=, gradient_checkpointing=, optim=, max_length= / max_seq_length=, packing=)` | batch_size, grad_accum, grad_checkpointing, optimizer, seq_len_tokens |
 | tokenizer calls `tokenizer(..., max_length=, padding="max_length", truncation=True)` | seq_len_tokens |
 | plain loops: `DataLoader(batch_size=)`, `torch.optim.AdamW` / `bnb.optim.AdamW8bit`, `model.gradient_checkpointing_enable()`, `out = model(**batch); out.loss.backward()` | batch_size, optimizer, grad_checkpointing, keep_outputs |
-| Unsloth: `FastLanguageModel.from_pretrained(model_name=, max_seq_length=, load_in_4bit=)`, `FastLanguageModel.get_peft_model(r=, target_modules=, use_gradient_checkpointing=)` | model, seq_len_tokens, method, lora_*, grad_checkpointing |
+| Unsloth (`FastLanguageModel`, `FastModel`, `FastVisionModel`): `.from_pretrained(model_name=, max_seq_length=, load_in_4bit=, dtype=)`, `.get_peft_model(r=, target_modules=, use_gradient_checkpointing=)` | model, seq_len_tokens, dtype, method, lora_*, grad_checkpointing |
+
+A model loaded in 4 bits with no adapter in sight is estimated as QLoRA (4-bit weights cannot train themselves).
 
 Module constants (`MAX_LEN = 2048`) and argparse defaults (`parser.add_argument("--max-len", default=2048)`) are
 followed, and the line that holds the value is the one a fix edits. What the script does not state takes the
@@ -26,7 +28,7 @@ from typing import Any
 
 from ..schema import Problems, _BAD, coerce
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
-from .index import UNKNOWN, Call, Ref, ScriptIndex
+from .index import UNKNOWN, Call, Ref, ScriptIndex, is_unsloth_loader
 
 #: The TrainSetup fields a script decides; the others (stack, loss, fitune's techniques) are fixed for a plain
 #: transformers + PEFT script: stack "hf", loss "hf", no technique.
@@ -223,9 +225,9 @@ class _Extractor:
         self.args = self._training_args()
         self.sft = bool(ix.calls_named("SFTTrainer", "SFTConfig"))
         self.unsloth_load = next((c for c in ix.calls if c.tail == "from_pretrained"
-                                  and c.receiver.endswith("FastLanguageModel")), None)
+                                  and is_unsloth_loader(c.receiver)), None)
         self.unsloth_peft = next((c for c in ix.calls if c.tail == "get_peft_model"
-                                  and c.receiver.endswith("FastLanguageModel")), None)
+                                  and is_unsloth_loader(c.receiver)), None)
         self.lora = next(iter(ix.calls_named("LoraConfig")), None)
         style = ("unsloth" if self.unsloth_load else "sft" if self.sft else "trainer" if ix.uses_trainer else
                  "loop" if ix.trains else "unknown")
@@ -272,7 +274,7 @@ class _Extractor:
     # ---- model ----------------------------------------------------------------------------------------------
     def _model_load(self) -> Call | None:
         loads = self.ix.model_loads
-        causal = [c for c in loads if "CausalLM" in c.receiver or c.receiver.endswith("FastLanguageModel")]
+        causal = [c for c in loads if "CausalLM" in c.receiver or is_unsloth_loader(c.receiver)]
         return (causal or loads or [None])[0]
 
     def _training_args(self) -> Call | None:
@@ -366,6 +368,13 @@ class _Extractor:
                                       "weights (more memory than the script needs)")
                 self.put("method", "lora", lines, "script", "LoRA (PEFT)")
             return
+        if ix.trains and self.load is not None and bits == "4bit":
+            self.notes.append(f"the model is loaded in 4 bits (line {qlines[0]}) and no adapter was found: 4-bit "
+                              "weights cannot train themselves (bitsandbytes keeps them frozen), so the script can "
+                              "only train LoRA adapters on them; estimated as QLoRA with the default adapters "
+                              "(--lora-rank, --lora-targets set them)")
+            self.put("method", "qlora", qlines, "script", "4-bit base weights: trains adapters (QLoRA)")
+            return
         if ix.trains and self.load is not None:
             if ix.freezes_parameters:
                 self.notes.append("parameters are frozen by hand: estimated as a full fine-tune (an upper bound); "
@@ -379,7 +388,7 @@ class _Extractor:
         call = self.lora or unsloth
         rank_default, alpha_default = (UNSLOTH_RANK, UNSLOTH_ALPHA) if unsloth and not self.lora else (PEFT_RANK,
                                                                                                        PEFT_ALPHA)
-        owner = "FastLanguageModel.get_peft_model" if unsloth and not self.lora else "LoraConfig"
+        owner = f"{ast.unparse(unsloth.node.func)}" if unsloth and not self.lora else "LoraConfig"
         if call is None:
             self.put("lora_rank", DEFAULT_SETUP.lora_rank, (), "fitune", "no LoraConfig in the script")
             self.put("lora_alpha", DEFAULT_SETUP.lora_alpha, (), "fitune", "no LoraConfig in the script")
@@ -400,6 +409,9 @@ class _Extractor:
     def _dtype(self, model_name: str) -> None:
         ix, load = self.ix, self.load
         bits, qlines, bnb = self._quantized()
+        if load is not None and load is self.unsloth_load:
+            self._unsloth_dtype(load)
+            return
         if bits == "4bit":
             v, lines, edit = self.kw(bnb, "bnb_4bit_compute_dtype") if bnb else (UNKNOWN, (), None)
             d = ix.dtype_of(bnb.kw("bnb_4bit_compute_dtype")) if bnb else None
@@ -440,6 +452,18 @@ class _Extractor:
                  f"from_pretrained with {said}: transformers 5 loads the checkpoint's dtype "
                  f"({cfg.get('torch_dtype', 'bfloat16')}); transformers 4 loaded float32", edit)
         self._autocast_note(ckpt)
+
+    def _unsloth_dtype(self, load: Call) -> None:
+        """Unsloth's `dtype=`: the compute dtype (of the 4-bit layers too); None picks bf16 where the GPU has it."""
+        node = load.kw("dtype")
+        d = self.ix.dtype_of(node)
+        if d in ("bf16", "fp16", "fp32"):
+            _, lines, edit = self.resolve(node, load, "dtype")
+            self.put("dtype", d, lines, "script", edit.text if edit else f"dtype={d}", edit)
+            return
+        edit = Edit(load.line, "", "missing", "dtype", _call_text(load)) if node is None else None
+        self.put("dtype", "bf16", (load.line,), "library",
+                 "Unsloth's dtype=None: bf16 on a GPU that has it (Ampere or newer), else float16", edit)
 
     def _autocast_note(self, dtype: str) -> None:
         if dtype == "fp32" and self.args is not None and (self.ix.is_true(self.args.kw("bf16"))

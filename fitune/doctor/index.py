@@ -32,6 +32,9 @@ TRAINER_CONFIGS = ("SFTConfig", "DPOConfig", "ORPOConfig", "KTOConfig", "GRPOCon
 PEFT_CALLS = ("get_peft_model", "LoraConfig", "AdaLoraConfig", "IA3Config", "LoHaConfig", "LoKrConfig",
               "prepare_model_for_kbit_training", "add_adapter", "inject_adapter_in_model")
 GRAD_OFF_CONTEXTS = ("no_grad", "inference_mode")
+UNSLOTH_LOADERS = ("FastLanguageModel", "FastModel", "FastVisionModel")
+"""Unsloth's model classes: `X.from_pretrained(...)` loads (dtype=None: Unsloth picks bf16 where the GPU has it,
+else fp16; load_in_4bit defaults to True), `X.get_peft_model(model, ...)` adds LoRA."""
 _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
                ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: a / b}
 """Arithmetic on literals the index evaluates (`2 * 256`, `MAX_LEN // 2`)."""
@@ -353,6 +356,11 @@ class Ref:
     """A dotted reference the index does not evaluate, e.g. torch.float32."""
 
     text: str
+
+
+def is_unsloth_loader(receiver: str) -> bool:
+    """`unsloth.FastLanguageModel`, `FastModel`, `FastVisionModel` (as imported, or bare)."""
+    return receiver.rsplit(".", 1)[-1] in UNSLOTH_LOADERS
 
 
 def _is_model_class(receiver: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 
 from .findings import SEVERITIES, Finding, sort_findings
 
@@ -21,9 +22,13 @@ def count_text(findings: list[Finding]) -> str:
     return f"{len(findings)} finding{'s' if len(findings) > 1 else ''} ({', '.join(parts)})"
 
 
-def format_finding(f: Finding, source: str = "") -> str:
+def format_finding(f: Finding, source: str = "", notebook=None) -> str:
+    """One finding as a block: `train.py:12: warning [rule]`, then message, fix and evidence. `notebook`: the
+    `fitune.doctor.notebook.Notebook` the script was read from: its lines are written `train.ipynb: cell 3, line 2`."""
     if f.line is None:
         where = source or "run"
+    elif notebook is not None:
+        where = f"{source}: {notebook.where(f.line)}" if source else notebook.where(f.line)
     else:
         where = f"{source}:{f.line}" if source else f"line {f.line}"
     head = f"{where}: {f.severity} [{f.rule}]" + (f" ({', '.join(f.claims)})" if f.claims else "")
@@ -32,9 +37,9 @@ def format_finding(f: Finding, source: str = "") -> str:
     return "\n".join([head, *body])
 
 
-def format_findings(findings: list[Finding], source: str = "") -> str:
+def format_findings(findings: list[Finding], source: str = "", notebook=None) -> str:
     """All findings as blocks separated by a blank line, sorted by line."""
-    return "\n\n".join(format_finding(f, source) for f in sort_findings(findings))
+    return "\n\n".join(format_finding(f, source, notebook) for f in sort_findings(findings))
 
 
 def _wrap(text: str, first: str, rest: str) -> str:
@@ -93,33 +98,56 @@ def _value_text(v) -> str:
     return str(v)
 
 
-def _lines_text(lines) -> str:
+def _lines_text(lines, notebook=None) -> str:
     if not lines:
         return ""
-    return ("line " if len(lines) == 1 else "lines ") + ", ".join(str(n) for n in lines)
+    text = ("line " if len(lines) == 1 else "lines ") + ", ".join(str(n) for n in lines)
+    return notebook.relabel(text) if notebook is not None else text
 
 
-def format_script_setup(script, path: str) -> str:
-    """The setup read from the script: each field with its lines; then what was assumed, with the flag to set it."""
+@dataclass(frozen=True)
+class SetupRow:
+    """One row of the setup as written: a field, its value, where it comes from (lines, or the flag that sets it
+    when assumed) and why."""
+
+    field: str
+    label: str
+    value: str
+    where: str
+    why: str
+    assumed: bool
+
+
+def setup_rows(script, notebook=None) -> list[SetupRow]:
+    """The rows `fitune doctor` shows for the setup: the fields the script states (or a flag gives), then the ones
+    assumed. `notebook`: the Notebook the script was read from (lines are then written as cells and lines)."""
+    relabel = notebook.relabel if notebook is not None else (lambda text: text)
     s = script.setup
     lora = s.method in ("lora", "qlora")
     shown = [f for f in FIELD_LABELS if lora or f not in LORA_FIELDS]
-    read = [f for f in shown if script.fields[f].origin in ("script", "flag")]
-    assumed = [f for f in shown if script.fields[f].assumed]
-    lines = [f"{path}, as written ({script.style} script):"]
-    for f in read:
-        r = script.fields[f]
-        value = _value_text(getattr(s, f, r.value)) if f != "model" else script.model
-        where = "flag" if r.origin == "flag" else _lines_text(r.lines)
-        lines.append(f"  {FIELD_LABELS[f]:24s} {value:28s} {where:14s} {_short(r.why)}".rstrip())
-    if assumed:
-        lines.append("  not in the script (assumed; the flag sets it):")
-        for f in assumed:
+    rows = []
+    for assumed in (False, True):
+        for f in shown:
             r = script.fields[f]
+            if r.assumed != assumed or (not assumed and r.origin not in ("script", "flag")):
+                continue
             value = _value_text(getattr(s, f, r.value)) if f != "model" else script.model
-            lines.append(f"  {FIELD_LABELS[f]:24s} {value:28s} {r.flag:14s} {_short(r.why)}".rstrip())
+            where = r.flag if assumed else "flag" if r.origin == "flag" else _lines_text(r.lines, notebook)
+            rows.append(SetupRow(f, FIELD_LABELS[f], value, where, relabel(r.why), assumed))
+    return rows
+
+
+def format_script_setup(script, path: str, notebook=None) -> str:
+    """The setup read from the script: each field with its lines; then what was assumed, with the flag to set it.
+    `notebook`: the Notebook the script was read from (lines are then written as cells and lines)."""
+    rows = setup_rows(script, notebook)
+    lines = [f"{path}, as written ({script.style} {'notebook' if notebook is not None else 'script'}):"]
+    for i, r in enumerate(rows):
+        if r.assumed and (i == 0 or not rows[i - 1].assumed):
+            lines.append("  not in the script (assumed; the flag sets it):")
+        lines.append(f"  {r.label:24s} {r.value:28s} {r.where:14s} {_short(r.why)}".rstrip())
     for n in script.notes:
-        lines.append(_wrap(f"note: {n}", "  ", "        "))
+        lines.append(_wrap(f"note: {notebook.relabel(n) if notebook is not None else n}", "  ", "        "))
     return "\n".join(lines)
 
 
@@ -127,9 +155,12 @@ def _short(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
-def format_fixes(diagnosis) -> str:
-    """The fixes, ranked, each with its lines to change, memory and predicted speed; then fitune plan's best."""
+def format_fixes(diagnosis, notebook=None) -> str:
+    """The fixes, ranked, each with its lines to change, memory and predicted speed; then fitune plan's best.
+    `notebook`: the Notebook the script was read from (lines are then written as cells and lines)."""
     from ..units import gib
+
+    relabel = notebook.relabel if notebook is not None else (lambda text: text)
 
     est = diagnosis.estimate
     gpu = est.gpu
@@ -148,7 +179,7 @@ def format_fixes(diagnosis) -> str:
                              f"{gib(f.peak_reserved_bytes)} reserved{note}; {f.tokens_per_s:,.0f} tokens/s "
                              f"({f.speed_change:+.0%})")
                 for e in f.edits:
-                    lines.append(_wrap(e, "       ", "         "))
+                    lines.append(_wrap(relabel(e), "       ", "         "))
                 if f.cost != "none":
                     lines.append(_wrap(f"cost: {f.cost}", "       ", "             "))
         else:

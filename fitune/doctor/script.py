@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .findings import Finding, ScriptError, sort_findings
 from .index import ScriptIndex
+from .notebook import NOTEBOOK_SUFFIX, Notebook, read_notebook
 
 if TYPE_CHECKING:
     from ..specs.gpu import GpuSpec
@@ -17,12 +18,18 @@ if TYPE_CHECKING:
 
 
 def check_script(path: str) -> list[Finding]:
-    """All findings for the script at `path`, sorted by line.
+    """All findings for the script (or notebook) at `path`, sorted by line. In a notebook, `line` counts the lines
+    of its code cells joined (`read_source(path).where(line)` says "cell 3, line 2"), and the messages name cells.
 
     Raises:
-        ScriptError: the file is missing, is a folder, is not UTF-8 text, or is not valid Python.
+        ScriptError: the file is missing, is a folder, is not UTF-8 text, is data, or is not valid Python.
     """
-    return check_source(read_script(path), path)
+    src = read_source(path)
+    ix = index_source(src.text, path, notebook=src.notebook)
+    try:
+        return relabel_findings(_findings(ix), src.notebook)
+    except RecursionError:
+        raise _unreadable(path) from None
 
 
 def check_source(source: str, filename: str = "<script>", setup_overrides: dict | None = None,
@@ -39,17 +46,17 @@ def check_source(source: str, filename: str = "<script>", setup_overrides: dict 
 
 
 def index_source(source: str, filename: str = "<script>", setup_overrides: dict | None = None,
-                 model: str | None = None, gpu: str | None = None) -> ScriptIndex:
-    """The script's `ScriptIndex` (with its extracted setup on demand). Raises ScriptError when it does not parse."""
+                 model: str | None = None, gpu: str | None = None, notebook: Notebook | None = None) -> ScriptIndex:
+    """The script's `ScriptIndex` (with its extracted setup on demand). Raises ScriptError when it does not parse.
+    `notebook`: the notebook `source` was joined from, so that a syntax error names its cell."""
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
-        where = f" at line {exc.lineno}" if exc.lineno else ""
-        raise ScriptError(f"{filename} is not a Python script: {exc.msg}{where}; `fitune doctor "
-                          "SCRIPT` reads a training script (.py), `fitune doctor --data FILE` reads data") from exc
+        where = "" if not exc.lineno else f" at {notebook.where(exc.lineno)}" if notebook else f" at line {exc.lineno}"
+        what = "a notebook of Python code" if notebook else "a Python script"
+        raise ScriptError(f"{filename} is not {what}: {exc.msg}{where}; {SCRIPT_HINT}") from exc
     except ValueError as exc:  # CPython 3.11: "source code string cannot contain null bytes"
-        raise ScriptError(f"{filename} is not a Python script: {exc}; `fitune doctor SCRIPT` reads a training script "
-                          "(.py)") from None
+        raise ScriptError(f"{filename} is not a Python script: {exc}; {SCRIPT_HINT}") from None
     except (RecursionError, MemoryError):  # CPython's parser on an expression nested thousands of levels deep
         raise _unreadable(filename) from None
     try:
@@ -72,6 +79,8 @@ class ScriptReport:
     findings: list[Finding]
     script: "ScriptSetup | None"
     diagnosis: "Diagnosis | None"
+    source: "ScriptSource | None" = None
+    """The text the rules read; for a notebook, its code cells joined, with where each line came from."""
 
 
 def diagnose_script(path: str, gpu: "GpuSpec", setup_overrides: dict | None = None,
@@ -84,15 +93,27 @@ def diagnose_script(path: str, gpu: "GpuSpec", setup_overrides: dict | None = No
     """
     from .fixes import diagnose
 
-    ix = index_source(read_script(path), path, setup_overrides, model, gpu.name)
+    src = read_source(path)
+    ix = index_source(src.text, path, setup_overrides, model, gpu.name, src.notebook)
     try:
         script = ix.script_setup
         estimated = script.model_id is not None or model is not None
         diagnosis = diagnose(script, gpu) if estimated else None
-        findings = _findings(ix)
+        findings = relabel_findings(_findings(ix), src.notebook)
     except RecursionError:
         raise _unreadable(path) from None
-    return ScriptReport(path, findings, script if estimated else None, diagnosis)
+    return ScriptReport(path, findings, script if estimated else None, diagnosis, src)
+
+
+def relabel_findings(findings: list[Finding], notebook: Notebook | None) -> list[Finding]:
+    """In a notebook, the findings' messages, fixes and evidence with "line 12" written as "cell 3, line 2"; their
+    `line` stays the line of the joined source (sorting and the JSON's `cell` are made from it)."""
+    if notebook is None:
+        return findings
+    import dataclasses
+
+    return [dataclasses.replace(f, message=notebook.relabel(f.message), fix=notebook.relabel(f.fix),
+                                evidence=notebook.relabel(f.evidence)) for f in findings]
 
 
 def _findings(ix: ScriptIndex) -> list[Finding]:
@@ -108,11 +129,61 @@ def _findings(ix: ScriptIndex) -> list[Finding]:
 MAX_SCRIPT_BYTES = 16 << 20
 
 
+@dataclass(frozen=True)
+class ScriptSource:
+    """A script's Python text as the rules read it; for a notebook, also where each line came from."""
+
+    path: str
+    text: str
+    notebook: "Notebook | None" = None
+
+    def where(self, line: int) -> str:
+        """"line 12" in a script, "cell 3, line 2" in a notebook."""
+        return self.notebook.where(line) if self.notebook else f"line {line}"
+
+
+#: What a file is by its suffix when it is not a script, and the command that reads it ({path}: the file).
+NOT_PYTHON = {
+    **{s: ("data", "`fitune doctor --data {path} --tokenizer DIR` checks data (DIR: the model folder whose tokenizer "
+                   "the training uses)") for s in (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow")},
+    ".txt": ("text (or plain-text data)", "`fitune doctor --data {path} --tokenizer DIR` checks a data file; "
+             "`fitune doctor SCRIPT` reads a training script (.py) or a notebook (.ipynb)"),
+    ".md": ("Markdown", "`fitune doctor SCRIPT` reads a training script (.py) or a notebook (.ipynb)"),
+    **{s: ("a YAML config", "`fitune estimate --config {path}` estimates the setup it describes and `fitune train "
+                            "{path}` runs it") for s in (".yaml", ".yml")},
+}
+SCRIPT_HINT = ("`fitune doctor SCRIPT` reads a training script (.py) or a notebook (.ipynb); `fitune doctor --data "
+               "FILE --tokenizer DIR` checks data")
+"""The closing hint of every "not a Python script" message."""
+
+
 def read_script(path: str) -> str:
+    """The Python text of the script (or notebook: its code cells joined) at `path`. Raises ScriptError."""
+    return read_source(path).text
+
+
+def read_source(path: str) -> ScriptSource:
+    """The script at `path` as the rules read it: a .py file's text, or a notebook's code cells joined.
+
+    Raises:
+        ScriptError: missing, a folder, too large, not UTF-8, a data / text / YAML file, or a broken notebook.
+    """
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in NOT_PYTHON and os.path.isfile(path):
+        what, hint = NOT_PYTHON[suffix]
+        raise ScriptError(f"{path} is {what}, not a Python script: {hint.format(path=path)}")
+    text = _read_text(path)
+    if suffix == NOTEBOOK_SUFFIX:
+        nb = read_notebook(path, text)
+        return ScriptSource(path, nb.source, nb)
+    return ScriptSource(path, text)
+
+
+def _read_text(path: str) -> str:
     if not os.path.exists(path):
         raise ScriptError(f"{path}: no such file; pass the path of your training script, e.g. fitune doctor train.py")
     if os.path.isdir(path):
-        raise ScriptError(f"{path} is a folder; pass one training script (.py)")
+        raise ScriptError(f"{path} is a folder; pass one training script (.py) or notebook (.ipynb)")
     if not os.path.isfile(path):  # a pipe or a device: opening it could wait forever
         raise ScriptError(f"{path} is not a regular file (a pipe or a device?); pass one training script (.py)")
     if os.path.getsize(path) > MAX_SCRIPT_BYTES:

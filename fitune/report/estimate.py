@@ -7,6 +7,7 @@ from .categories import Category, ordered
 from .charts import BarRow, Marker, Segment, legend, stacked_bars
 from .common import breakdown_table, notes_list, setup_line
 from .html import OKABE_ITO, esc, num_bytes, num_value
+from ..units import count_text
 
 RESERVED = Category("peak_reserved", "peak reserved", OKABE_ITO["sky_blue"],
                     "torch.cuda.max_memory_reserved(): what PyTorch's allocator holds at the peak")
@@ -58,8 +59,8 @@ def render(doc: dict, measured: dict | None = None) -> tuple[str, str]:
            f'<p class="sub">{esc(setup_line(doc.get("setup") or {}))} &middot; engine {esc(doc.get("engine", "analytic"))}</p>']
     if doc.get("total_params"):
         total, trainable = doc["total_params"], doc.get("trainable_params") or 0
-        out.append(f'<p class="sub">{num_value(total, "total_params", f"{total / 1e9:.2f}B")} parameters, '
-                   f'{num_value(trainable, "trainable_params", f"{trainable / 1e6:.2f}M")} trainable</p>')
+        out.append(f'<p class="sub">{num_value(total, "total_params", count_text(total))} parameters, '
+                   f'{num_value(trainable, "trainable_params", count_text(trainable))} trainable</p>')
     if doc.get("gpu"):
         g = doc["gpu"]
         out.append(f'<p>{esc(g.get("name"))}: {num_bytes(g.get("allocator_budget_bytes"), "gpu.allocator_budget_bytes")} '

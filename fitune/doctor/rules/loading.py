@@ -6,7 +6,7 @@ from typing import Iterator
 
 from .. import evidence
 from ..findings import WARNING
-from ..index import ScriptIndex
+from ..index import ScriptIndex, is_unsloth_loader
 from .base import Hit, call_text, known_setup, rule, script_model
 
 QUANTIZED_LOAD_KWARGS = ("quantization_config", "load_in_4bit", "load_in_8bit")
@@ -14,9 +14,10 @@ QUANTIZED_LOAD_KWARGS = ("quantization_config", "load_in_4bit", "load_in_8bit")
 
 @rule("load-without-dtype", WARNING, "from_pretrained without dtype/torch_dtype", ("C10",))
 def load_without_dtype(ix: ScriptIndex) -> Iterator[Hit]:
-    """A model loaded without a dtype gets whatever the installed transformers defaults to."""
+    """A model loaded without a dtype gets whatever the installed transformers defaults to. Not Unsloth's loaders:
+    they pick the dtype themselves (dtype=None: bf16 where the GPU has it, else float16)."""
     for load in ix.model_loads:
-        if load.has_kw("dtype", "torch_dtype") or load.open_kwargs:
+        if load.has_kw("dtype", "torch_dtype") or load.open_kwargs or is_unsloth_loader(load.receiver):
             continue
         quantized = load.has_kw(*QUANTIZED_LOAD_KWARGS)
         what = ("the modules bitsandbytes does not quantise (embeddings, lm_head, norms)" if quantized
