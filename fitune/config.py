@@ -107,13 +107,20 @@ class TrainConfig:
                           help="limit PyTorch's allocator to this GPU's budget (rtx4090, 23.4GiB): rehearse a smaller "
                                "card on a big one")
 
-    def validate(self, origin: dict[str, str] | None = None) -> "TrainConfig":
-        """Every problem at once; each names the YAML key (or the flag, when `origin` says the value came from one)."""
+    def validate(self, origin: dict[str, str] | None = None, config_dir: str | None = None) -> "TrainConfig":
+        """Every problem at once; each names the YAML key (or the flag, when `origin` says the value came from one).
+
+        `config_dir`: the folder of the config file the values came from. Relative paths are read from the current
+        directory; a missing one that came from the file says so, and names the file beside the config if there is
+        one (`relative_path_note`)."""
         origin = origin or {}
         by_field = {k.field: k for k in ALL_KEYS}
 
         def name(f: str) -> str:
             return label(by_field[f], origin.get(f, "yaml"))
+
+        def from_file(f: str) -> str | None:  # the config's folder, for a value the config file gave
+            return config_dir if origin.get(f, "yaml") == "yaml" else None
 
         problems: list[str] = []
         try:
@@ -123,13 +130,15 @@ class TrainConfig:
         if not self.model:
             problems.append(f"{name('model')} missing; give a Hugging Face model folder, a .gguf file or a Hub id "
                             "(or a catalog name with init: random)")
-        if self.init == "pretrained" and self.model:
-            problem = _pretrained_source_problem(self.model, name("model"))
-            if problem:
-                problems.append(problem)
-        problems += _data_problems(self, name)
-        if self.data.eval_path and not os.path.exists(self.data.eval_path):
-            problems.append(f"{name('eval_path')} {self.data.eval_path} does not exist")
+        problems += _path_problems(self, name, from_file)
+        problems += _data_problems(self, name, from_file)
+        if self.packing and self.setup.attn == "flash" and self.setup.batch_size > 1:
+            # transformers' flash_attention_2 finds packed examples in the position ids of a batch of ONE row only
+            # (modeling_flash_attention_utils._is_packed_sequence); with more, examples would attend to each other
+            rows, accum = self.setup.batch_size, self.setup.batch_size * self.setup.grad_accum
+            problems.append(f"packing with attn flash and batch_size {rows}: flash-attention 2 keeps packed examples "
+                            f"apart only with one row per micro-batch; use batch_size 1 (with grad_accum {accum}: the "
+                            "same step), or attn sdpa, with which fitune attends each packed example on its own")
         if (self.max_steps is None) == (self.epochs is None):
             problems.append(f"{name('max_steps')} / {name('epochs')} give exactly one of them")
         if self.cap is not None:
@@ -169,8 +178,34 @@ class TrainConfig:
         return to_mapping(flat_values(self), ALL_KEYS, keep_none=[f for f, v in defaults.items() if v is not None])
 
 
-def _data_problems(cfg: "TrainConfig", name) -> list[str]:
-    """data.path (a local source, or a Hub data set id ORG/NAME) and what streaming needs."""
+def _path_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
+    """model:, data.eval_path: and tokenizer: as paths (data.path: `_data_problems`). A relative path the config
+    file gave that is missing here says where it was looked for (`relative_path_note`); `from_file(field)`: the
+    config's folder when the field's value came from the config file."""
+    from .data.encode import tokenizer_source_problem
+
+    def note(f: str, path: str | None) -> str:
+        return relative_path_note(path, from_file(f))
+
+    problems = []
+    if cfg.model and beside_config(cfg.model, from_file("model")):  # whatever it looks like: the config meant it
+        problems.append(f"{name('model')} {cfg.model} does not exist{note('model', cfg.model)}")
+    elif cfg.init == "pretrained" and cfg.model:
+        problem = _pretrained_source_problem(cfg.model, name("model"))
+        if problem:
+            problems.append(problem + note("model", cfg.model))
+    evald = cfg.data.eval_path
+    if evald and not os.path.exists(evald):
+        problems.append(f"{name('eval_path')} {evald} does not exist{note('eval_path', evald)}")
+    problem = cfg.tokenizer and tokenizer_source_problem(cfg.tokenizer, name("tokenizer"))
+    if problem:
+        problems.append(problem + note("tokenizer", cfg.tokenizer))
+    return problems
+
+
+def _data_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
+    """data.path (a local source, or a Hub data set id ORG/NAME) and what streaming needs. `from_file(field)`: the
+    config's folder when the field's value came from the config file."""
     from .data.hub import is_hub_id
     from .data.read import SUFFIXES
 
@@ -179,8 +214,10 @@ def _data_problems(cfg: "TrainConfig", name) -> list[str]:
     if not data.path:
         problems.append(f"{name('path')} missing; point it at a .jsonl / .json / .csv / .tsv / .txt / .parquet file, "
                         "a dataset folder or a Hub data set id ORG/NAME")
-    elif not os.path.exists(data.path) and not is_hub_id(data.path, SUFFIXES):
-        problems.append(f"{name('path')} {data.path} does not exist (a Hub data set id is written ORG/NAME)")
+    elif not os.path.exists(data.path) and (not is_hub_id(data.path, SUFFIXES)
+                                            or beside_config(data.path, from_file("path"))):
+        where = relative_path_note(data.path, from_file("path")) or " (a Hub data set id is written ORG/NAME)"
+        problems.append(f"{name('path')} {data.path} does not exist{where}")
     if data.subset is not None and data.path and os.path.exists(data.path):
         problems.append(f"{name('subset')} {data.subset!r} names a subset of a Hub data set, but "
                         f"{name('path').rstrip(':')} {data.path} is a local file or folder; remove it")
@@ -192,6 +229,29 @@ def _data_problems(cfg: "TrainConfig", name) -> list[str]:
                             "true: records are read as training needs them, so how many make an epoch is not known "
                             f"up front; give {name('max_steps').rstrip(':')} instead")
     return problems
+
+
+def relative_path_note(path: str | None, config_dir: str | None) -> str:
+    """For a path a config file in `config_dir` names that is missing here: that a relative path is read from the
+    current directory, not the config's folder, and the file beside the config when there is one ("" for an
+    absolute path, no config folder, or a config in the current directory)."""
+    if not path or not config_dir or os.path.isabs(path):
+        return ""
+    cwd, folder = os.getcwd(), os.path.abspath(config_dir)
+    if folder == cwd:
+        return ""
+    text = f" (relative to the current directory ({cwd}), not the config's folder ({folder})"
+    beside = os.path.join(folder, path)
+    if os.path.exists(beside):
+        text += f"; {beside} exists: write that path in the config, or run fitune from {folder}"
+    return text + ")"
+
+
+def beside_config(path: str, config_dir: str | None) -> bool:
+    """Whether the relative `path` is missing from the current directory but exists beside the config (then it is
+    no Hub id or catalog name, whatever it looks like: the config meant that file)."""
+    return bool(config_dir) and not os.path.isabs(path) and not os.path.exists(path) \
+        and os.path.exists(os.path.join(config_dir, path))
 
 
 #: Files a model folder's weights come in (transformers 5 loads safetensors and PyTorch pickles).
@@ -237,10 +297,31 @@ def _has_tokenizer(model: str) -> bool:
 
 
 def preflight_problems(cfg: "TrainConfig") -> list[str]:
-    """What stops `fitune train` from loading the model, said before the run starts rather than after the
-    tokenizer and the data are read: a folder (or a Hub id's cached snapshot) without config.json, or without a
-    weights file for init: pretrained; a Hub id that is not cached while HF_HUB_OFFLINE is set. (A config naming
-    such a model is still valid: the files may be downloaded later.)"""
+    """What stops `fitune train`, every problem at once, said before anything loads (torch, the tokenizer, the
+    data, the model) rather than after:
+
+    - the model: a folder (or a Hub id's cached snapshot) without config.json, or without a weights file for init:
+      pretrained; a Hub id (model or tokenizer) that is not cached while HF_HUB_OFFLINE is set (a config naming
+      such a model is still valid: the files may be downloaded later);
+    - the machine: options that need a CUDA GPU it lacks, every missing package (one pip command for all:
+      `fitune.runtime.needs`), and for several GPUs or DeepSpeed what `fitune.parallel.launch.preflight` checks;
+    - the data: the first records of data.path and data.eval_path against data.format
+      (`fitune.data.encode.check_first_records`).
+    """
+    return _model_folder_problems(cfg) + _tokenizer_problems(cfg) + _machine_problems(cfg) + _data_peek_problems(cfg)
+
+
+def _tokenizer_problems(cfg: "TrainConfig") -> list[str]:
+    """A tokenizer: Hub id that is not cached while HF_HUB_OFFLINE is set (a missing path: `validate`)."""
+    from .specs.sources import cached_hub_snapshot, hub_offline, is_hub_id, not_cached_message
+
+    if cfg.tokenizer and is_hub_id(cfg.tokenizer) and hub_offline() and cached_hub_snapshot(cfg.tokenizer) is None:
+        return [not_cached_message(cfg.tokenizer, "tokenizer:")]
+    return []
+
+
+def _model_folder_problems(cfg: "TrainConfig") -> list[str]:
+    """The model folder (or a Hub id's cached snapshot): config.json, and weights for init: pretrained."""
     from .specs.sources import cached_hub_snapshot, hub_offline, is_hub_id, not_cached_message
 
     folder = cfg.model
@@ -257,6 +338,89 @@ def preflight_problems(cfg: "TrainConfig") -> list[str]:
         return [f"model: {where} holds no weights (no .safetensors or .bin file); download the model's weights "
                 "into it, or use init: random (and tokenizer:) for a smoke run"]
     return []
+
+
+def _machine_problems(cfg: "TrainConfig") -> list[str]:
+    """Options this machine cannot run (a CUDA GPU, packages: `fitune.runtime.needs`), and for several GPUs or
+    DeepSpeed the launcher's own checks (GPU count, DeepSpeed installed, the strategy's methods)."""
+    from .parallel.launch import needs_launch, preflight
+    from .runtime.needs import flash_dtype_problem, has_module, machine_problems, needs_of
+
+    needs = needs_of(cfg.setup, cfg.report_to)
+    on_cuda = _runs_on_cuda(cfg.setup) if any(n.cuda for n in needs) else True  # torch imported only if needed
+    problems = machine_problems(needs, on_cuda)
+    if cfg.setup.attn == "flash" and flash_dtype_problem(cfg.setup.dtype):
+        problems.append(flash_dtype_problem(cfg.setup.dtype))
+    if needs_launch(cfg.setup) and has_module("torch"):  # (without torch, the missing package is the problem)
+        try:
+            preflight(cfg)
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems
+
+
+def _runs_on_cuda(s: TrainSetup) -> bool:
+    """Whether `fitune train` runs `s` on a CUDA GPU here: torch sees one, and the run is not a CPU rehearsal of
+    several ranks (FITUNE_CPU_RANKS=1: fitune/parallel/ranks.py trains them on the CPU). Imports torch."""
+    from .parallel import CPU_RANKS_ENV, ZERO_STRATEGIES
+    from .runtime.needs import cuda_available
+
+    rehearsal = os.environ.get(CPU_RANKS_ENV) == "1" and (s.num_gpus > 1 or s.strategy in ZERO_STRATEGIES)
+    return not rehearsal and cuda_available()
+
+
+def _data_peek_problems(cfg: "TrainConfig") -> list[str]:
+    """The first records of each local data file read and checked against data.format (no tokenizer needed)."""
+    from .data.encode import check_first_records
+    from .errors import DataError
+
+    problems = []
+    for path in dict.fromkeys(p for p in (cfg.data.path, cfg.data.eval_path) if p and os.path.isfile(p)):
+        try:
+            check_first_records(path, cfg.data.format, split=cfg.data.split, subset=cfg.data.subset)
+        except DataError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def trained_positions(hf_config: dict) -> int | None:
+    """The positions a model was trained (or scaled) for: max_position_embeddings, or rope scaling's reach when its
+    config.json has one (factor x original_max_position_embeddings: Llama 3.1's 8 x 8192 = its 131072; YaRN,
+    linear and dynamic scaling alike). None when the config does not say."""
+    positions = hf_config.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+        return None
+    rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+        original = rope.get("original_max_position_embeddings")
+        original = original if isinstance(original, int) and original > 0 else positions
+        return max(positions, int(original * factor))
+    return positions
+
+
+def position_warning(cfg: "TrainConfig") -> str | None:
+    """What `fitune train` warns before training when seq_len is beyond the positions the model was trained on
+    (None when it is not, or the model's config.json cannot be read without a download). A warning, not a refusal:
+    a plan may use longer sequences on purpose (llama-3.1-8b's 143k-token plans are beyond its 131072 positions)."""
+    from .errors import FituneError
+    from .specs.model import catalog_key_for_hub_id, resolve_model_source
+    from .specs.sources import cached_hub_file, is_hub_id
+
+    if is_hub_id(cfg.model) and cached_hub_file(cfg.model) is None and catalog_key_for_hub_id(cfg.model) is None:
+        return None
+    try:
+        hf_config = resolve_model_source(cfg.model).hf_config
+    except FituneError:
+        return None
+    positions = trained_positions(hf_config.get("text_config") or hf_config) or trained_positions(hf_config)
+    seq = cfg.setup.seq_len_tokens
+    if positions is None or seq <= positions:
+        return None
+    return (f"seq_len {seq} tokens is beyond the {positions} positions {cfg.model} was trained on "
+            "(max_position_embeddings in its config.json, no rope_scaling that reaches further): rows longer than "
+            f"{positions} tokens use positions the model was not trained on, and may train and generate worse; "
+            f"keep rows within {positions} tokens, or use a model made for longer context")
 
 
 def _model_problems(cfg: "TrainConfig", name, origin: dict[str, str]) -> list[str]:
@@ -280,7 +444,9 @@ def _model_problems(cfg: "TrainConfig", name, origin: dict[str, str]) -> list[st
     try:
         spec = model_spec_from_hf_config(src.hf_config, name=src.name, source=src.source)
         setup_origin = {k.field: origin.get(k.field, "yaml") for k in SETUP_KEYS}
-        cfg.setup.validate(num_layers=spec.num_layers, hidden_size=spec.hidden_size, origin=setup_origin)
+        # linear_names: the LoRA targets checked as estimate checks them, with the same message
+        cfg.setup.validate(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                           linear_names=spec.linear_names(), origin=setup_origin)
     except UnsupportedArchitectureError:  # the runner builds it all the same; only its sizes can be checked here
         found = check_hf_config(src.hf_config, src.model_type, required=())
         problems += [f"{name('model')} {src.source}: {p}" for p in found]
@@ -341,7 +507,7 @@ def config_from_dict(doc: dict, source: str = "config", overrides: dict | None =
             values.pop(other)
     problems.raise_if_any()
     cfg = config_from_values(values)
-    cfg.validate(origin)
+    cfg.validate(origin, config_dir=os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None)
     return cfg
 
 

@@ -72,7 +72,8 @@ class TrainSetup:
                                        "(checkpoints in pinned CPU memory), selective:K (the first K layers); "
                                        "true/false mean full/none")
     attn: str = key("sdpa", kind="choice", choices=ATTNS, aliases=_ATTN_ALIASES,
-                    help="attention: sdpa (torch scaled_dot_product_attention) | flash (flash-attention 2) | eager")
+                    help="attention: sdpa (torch scaled_dot_product_attention) | flash (flash-attention 2: the "
+                         "flash_attn package, a CUDA GPU) | eager")
     optimizer: str = key("adamw", kind="choice", choices=OPTIMIZERS, aliases=_OPTIMIZER_ALIASES,
                          help="adamw (fp32 states) | adamw8bit | paged_adamw8bit (bitsandbytes) | adafactor | sgd")
     batch_size: int = key(2, kind="int", minimum=1, maximum=65536, help="sequences per micro-batch")
@@ -219,8 +220,7 @@ class TrainSetup:
             elif linear_names is not None and not self.all_linear:
                 unknown = [t for t in self.lora_targets if t not in linear_names]
                 if unknown:
-                    problems.append(f"{name('lora_targets')} {','.join(unknown)}: not a Linear of this model; it has "
-                                    f"{', '.join(linear_names)} (or use all-linear)")
+                    problems.append(unknown_targets_problem(name("lora_targets"), unknown, linear_names))
         if self.loss == "chunked" and self.stack == "hf":
             problems.append(f"{name('loss')} chunked is a technique of fitune's runner; a plain transformers script "
                             f"computes full logits: use {name('stack')} fitune with it (or {name('loss')} hf)")
@@ -265,6 +265,13 @@ class TrainSetup:
         if problems:
             raise ConfigError(problems)
         return self
+
+
+def unknown_targets_problem(key: str, unknown: list[str], linear_names: list[str]) -> str:
+    """The one message for LoRA targets a model does not have (estimate, plan, train's config check, and the
+    runner when PEFT matches none): the names given, and the Linear modules of a decoder layer the model has."""
+    return (f"{key} {','.join(unknown)}: not a Linear of this model; it has {', '.join(linear_names)} "
+            "(or use all-linear)")
 
 
 def technique_labels(values) -> list[str]:

@@ -68,12 +68,32 @@ def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str],
     return 2
 
 
+class _DropAcceleratorNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it." (deepspeed/accelerator/real_accelerator.py), and its older "Setting ds_accelerator to ..." form."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Setting accelerator to ", "Setting ds_accelerator to "))
+
+
+def _drop_deepspeed_accelerator_notice() -> None:
+    """DeepSpeed logs which accelerator it picked when it is imported, to stdout. accelerate imports it whenever it
+    is installed (every `save_pretrained`: merge, train's merged/ folder), so commands that never use DeepSpeed
+    printed it, and a CPU machine read it as a warning. That one record is dropped on DeepSpeed's logger
+    ("DeepSpeed", created by deepspeed/utils/logging.py; a filter set here stays when DeepSpeed sets it up); its
+    other messages are kept."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropAcceleratorNotice) for f in logger.filters):
+        logger.addFilter(_DropAcceleratorNotice())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
         return _unknown_arguments(parser, args, extras, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    _drop_deepspeed_accelerator_notice()
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

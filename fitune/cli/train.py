@@ -111,8 +111,9 @@ def run(args) -> int:
             raise pointed from None
     from ..config import preflight_problems
 
-    if preflight_problems(cfg):
-        raise ConfigError(preflight_problems(cfg))
+    problems = preflight_problems(cfg)  # everything that needs no model, said before anything loads
+    if problems:
+        raise ConfigError(problems)
     try:
         import torch  # noqa: F401
     except ImportError as exc:

@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, DataError
 from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise, string_field
-from .formats import FORMATS, canonical_format, detect_format
-from .read import RecordProblem, data_error, json_type, read_records, source_of, unit_of
+from .formats import FORMATS, canonical_format, detect_format, format_of
+from .read import RecordProblem, Records, data_error, iter_records, json_type, read_records, source_of, unit_of
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (transformers' and torch's cross-entropy `ignore_index`)."""
@@ -242,12 +242,12 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
         DataError: `source` is none of those (or a Hub id that is not cached: the message gives the `hf download`
             command), transformers is not installed, or no tokenizer can be loaded from it.
     """
-    from ..specs.sources import is_gguf_path, is_hub_id, local_model
+    from ..specs.sources import local_model
 
     source = str(source)
-    if not (os.path.isdir(source) or os.path.isfile(source) and is_gguf_path(source) or is_hub_id(source)):
-        raise DataError(f"{key} {source}: no such folder; pass a folder with tokenizer.json / tokenizer_config.json "
-                        "(a downloaded model folder works), a .gguf file or a Hub id (org/name) in the Hub cache")
+    problem = tokenizer_source_problem(source, key)
+    if problem:
+        raise DataError(problem)
     try:
         where = local_model(source, download=download, key=key)
     except ConfigError as exc:
@@ -265,6 +265,17 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
     if where.gguf_file:
         set_gguf_special_tokens(tokenizer, os.path.join(where.folder, where.gguf_file))
     return tokenizer
+
+
+def tokenizer_source_problem(source: str, key: str = "--tokenizer") -> str | None:
+    """Why `source` cannot hold a tokenizer, judged from the path alone (None when it may): not a folder, a .gguf
+    file or a Hub id. `fitune train` checks it with the config, before anything loads."""
+    from ..specs.sources import is_gguf_path, is_hub_id
+
+    if os.path.isdir(source) or os.path.isfile(source) and is_gguf_path(source) or is_hub_id(source):
+        return None
+    return (f"{key} {source}: no such folder; pass a folder with tokenizer.json / tokenizer_config.json (a downloaded "
+            "model folder works), a .gguf file or a Hub id (org/name) in the Hub cache")
 
 
 #: GGUF metadata keys of the special tokens (llama.cpp's gguf/constants.py, Keys.Tokenizer) -> the tokenizer's
@@ -691,3 +702,46 @@ def load_examples(
 ) -> tuple[list[Example], DataStats]:
     """read_records + tokenize_records, with errors naming `path`."""
     return tokenize_records(read_records(path), tokenizer, fmt, seq_len_tokens, source=path)
+
+
+PEEK_RECORDS = 100
+"""Records of a data file `check_first_records` reads: enough to catch a wrong format, few enough to take no time."""
+
+
+def check_first_records(path: str, fmt: str | None, *, split: str = "train", subset: str | None = None,
+                        limit: int = PEEK_RECORDS) -> str:
+    """The format of a local data file and its first `limit` records checked against it, without a tokenizer: what
+    `fitune train` says before it loads the tokenizer and the model (the full check runs when the data is
+    tokenized). Returns the format (`fmt`, or the one detected from the records).
+
+    Raises:
+        DataError: a record that cannot be read (the whole file is then read, so that every bad line is listed at
+            once), no record of a known format, or records among the first `limit` that lack their format's fields
+            or have them of the wrong type (all of those listed).
+    """
+    from itertools import islice
+
+    try:
+        records = Records(islice(iter_records(path, split, subset), limit), path)
+    except DataError:
+        read_records(path, split, subset)  # every bad line of the file, listed at once
+        raise
+    given = fmt
+    fmt = detect_format(records, source=path) if fmt is None else canonical_format(fmt)
+    if fmt is None:
+        return ""  # not a format: TrainConfig.validate names the key
+    problems = []
+    for line, record in records:
+        try:
+            normalise(fmt, record, chat_template=True)
+        except ShapeProblem as problem:
+            problems.append(RecordProblem(line, "malformed", str(problem)))
+    if not problems:
+        return fmt
+    notes = [f"checked the first {limit} records before loading the model"] if len(records) == limit else []
+    looks = next((f for f in map(format_of, (r for _, r in records)) if f is not None), None)
+    if given is not None and looks not in (None, fmt):
+        notes.append(f"these records look like format {looks}, not {fmt}: set data.format (--data-format) to {looks}, "
+                     "or leave it out to detect the format from the records")
+    error = data_error(path, problems)
+    raise DataError(str(error) + "".join(f"\n  ({note})" for note in notes), path=path, line=error.line)

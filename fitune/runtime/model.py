@@ -53,13 +53,16 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
             offline); or a config to draw random weights from: a config.json dict, a ModelSpec, a catalog name, a
             config.json path (or any of the former). Memory does not depend on the weights' values.
         dtype_name: bf16 | fp16 | fp32, the weights' dtype (NF4 layers compute in bf16).
-        attn: transformers' attn_implementation (sdpa, eager, flash_attention_2); fitune's "flash" runs as sdpa.
+        attn: sdpa | eager | flash (flash-attention 2: transformers' "flash_attention_2", which needs the
+            flash_attn package; off CUDA sdpa stands in: `hf_attn_implementation`), or any attn_implementation
+            transformers knows.
         quantize: None, or "nf4": the decoder's linears become bitsandbytes NF4 (CUDA only). A pretrained folder
             is loaded through transformers' BitsAndBytesConfig; random weights are quantised on the GPU after init.
         init: "pretrained", "random", or "auto" (pretrained when `source` is a folder with weight files, a .gguf
             file or a Hub id whose cached snapshot has them).
     Raises:
-        ConfigError: NF4 without a CUDA GPU, an unknown `init`, or a Hub id that is neither cached nor downloadable.
+        ConfigError: NF4 without a CUDA GPU, flash attention without the flash_attn package or in fp32, an unknown
+            `init`, or a Hub id that is neither cached nor downloadable.
     """
     from transformers import AutoModelForCausalLM
 
@@ -68,9 +71,10 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
     if quantize not in (None, "nf4"):
         raise ConfigError(f"quantize: {quantize!r} is not one of: nf4 (or none)")
     if quantize == "nf4" and device != "cuda":
-        raise ConfigError("method qlora needs a CUDA GPU (bitsandbytes NF4 kernels); run it on a GPU, or use method "
-                          "lora on this machine")
-    attn = "sdpa" if attn == "flash" else attn
+        from .needs import QLORA, cuda_problem
+
+        raise ConfigError(cuda_problem(QLORA))
+    attn = hf_attn_implementation(attn, device, "bf16" if quantize == "nf4" else dtype_name)
     if init == "auto":
         init = "pretrained" if _has_weights(source) else "random"
     if init == "random":
@@ -119,6 +123,25 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
             model.to(device)
     model.train()
     return model
+
+
+def hf_attn_implementation(attn: str, device: str, dtype_name: str = "bf16") -> str:
+    """transformers' attn_implementation for fitune's `attn`. flash is flash-attention 2 ("flash_attention_2", what
+    the estimator and `fitune plan` mean by it) on a CUDA GPU, refused without its package or in fp32. Off CUDA,
+    where flash-attention 2 cannot run, a model built here (tests, the trace engine's CPU rehearsals) gets sdpa,
+    whose CPU flash kernel saves what flash-attention does, and a warning says so; `fitune train` refuses `attn:
+    flash` without a GPU before it gets here (`fitune.config.preflight_problems`)."""
+    if attn != "flash":
+        return attn
+    from .needs import FLASH, flash_dtype_problem, machine_problems
+
+    if device != "cuda":
+        log.warning("attn: flash (flash-attention 2) runs on CUDA only; this %s model uses sdpa", device)
+        return "sdpa"
+    problems = machine_problems([FLASH], on_cuda=True) + [p for p in [flash_dtype_problem(dtype_name)] if p]
+    if problems:
+        raise ConfigError(problems)
+    return "flash_attention_2"
 
 
 def _zero3_construction() -> bool:
@@ -330,7 +353,28 @@ def wrap_lora(model, rank: int, targets: list[str] | str, alpha: int = 16, dropo
     target_modules = ALL_LINEAR if targets == ALL_LINEAR or targets == [ALL_LINEAR] else list(targets)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=float(dropout),
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # PEFT's NoMatchingPeftModuleError: no module has any of these names
+        if "not found in the base model" not in str(exc):
+            raise
+        from ..setup import unknown_targets_problem
+
+        names = layer_linear_names(model)
+        asked = [target_modules] if isinstance(target_modules, str) else target_modules
+        unknown = [t for t in asked if t not in names] or asked
+        raise ConfigError(unknown_targets_problem("lora.targets:", unknown, names)) from None
+
+
+def layer_linear_names(model) -> list[str]:
+    """The names of the `nn.Linear` modules inside the model's decoder layers (q_proj, ..., down_proj), in order:
+    what LoRA targets can name (the same list `ModelSpec.linear_names` gives for the architectures it models)."""
+    names: list[str] = []
+    for layer in find_decoder_layers(model):
+        for path, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear) and path.rsplit(".", 1)[-1] not in names:
+                names.append(path.rsplit(".", 1)[-1])
+    return names
 
 
 def set_checkpointing(model, on: bool) -> None:

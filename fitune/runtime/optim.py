@@ -35,6 +35,10 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float | None = N
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
-        raise FituneError(f"optimizer: {name} needs bitsandbytes (pip install bitsandbytes) on a CUDA machine") from exc
+        from .needs import optimizer_need, packages_problem
+
+        need = optimizer_need(name)
+        raise FituneError(f"{packages_problem([need], ['bitsandbytes'])} (on a machine with a CUDA GPU: "
+                          f"{need.cuda}), or use {need.instead}") from exc
     cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
     return cls(params, lr=lr, **decay)

@@ -29,6 +29,13 @@ def _numbers(scalars: dict) -> dict[str, float]:
     return out
 
 
+def _missing(name: str) -> str:
+    """The message for a logger whose package is not installed (the one `fitune train` gives before loading)."""
+    from ..runtime.needs import logger_need, packages_problem
+
+    return packages_problem([logger_need(name)], [name])
+
+
 class TensorBoardLogger:
     """Scalars as TensorBoard event files in `log_dir` (`tensorboard --logdir OUTPUT_DIR/tensorboard`)."""
 
@@ -36,7 +43,7 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise FituneError(f"report_to: tensorboard needs the tensorboard package: pip install tensorboard ({exc})") from exc
+            raise FituneError(f"{_missing('tensorboard')} ({exc})") from exc
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=log_dir, flush_secs=10)  # a live `tensorboard` sees steps within 10 s
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
@@ -56,8 +63,7 @@ class WandbLogger:
         try:
             import wandb
         except ImportError:
-            raise FituneError("report_to: wandb needs the wandb package: pip install wandb "
-                              "(or drop wandb from report_to)") from None
+            raise FituneError(f"{_missing('wandb')} (or drop wandb from report_to)") from None
         # an explicit WANDB_MODE wins; without an API key nothing can be uploaded, so stay offline
         mode = os.environ.get("WANDB_MODE") or (None if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitune"), name=run_name, config=config,

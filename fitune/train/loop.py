@@ -79,6 +79,12 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     from ..parallel import ranks
 
     main = ranks.start(cfg.setup.num_gpus, cfg.setup.strategy).is_main  # [parallel] torchrun's ranks join here
+    if main:
+        from ..config import position_warning
+
+        warning = position_warning(cfg)  # seq_len beyond the model's positions: allowed, said before anything loads
+        if warning:
+            log.warning("fitune train: warning: %s", warning)
     folder = None
     try:
         # [parallel] rank 0 alone opens (locks) output_dir and writes in it; the other ranks follow it
@@ -178,6 +184,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
 
         if enable_varlen_attention(model):
             log.info("packing: examples attended one by one inside each row (no mask tensor)")
+        elif s.attn == "flash":  # one row per micro-batch (TrainConfig.validate): its position ids give the bounds
+            log.info("packing: flash-attention 2 attends each example on its own (varlen, from the position ids)")
         else:
             log.info("packing: this model keeps transformers' block-diagonal mask (sliding window or attention %s)",
                      s.attn)

@@ -222,6 +222,16 @@ def _write_config(folder: str, doc: dict, comments: list[str]) -> str:
     return path
 
 
+def _missing_packages() -> str:
+    """Why the tiny model cannot be written (nor trained) here: torch, transformers or peft missing, all named in one
+    message; "" when nothing is missing."""
+    from ..runtime.needs import Need, has_module, packages_problem
+
+    need = Need("the quickstart's tiny model, and fitune train", ("torch", "transformers", "peft"))
+    missing = [m for m in need.modules if not has_module(m)]
+    return packages_problem([need], missing) if missing else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fitune.train.quickstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{folder} is not empty; pick a new folder", file=sys.stderr)
         return 2
     if args.folder:
+        missing = _missing_packages()
+        if missing:
+            print(f"python -m fitune.train.quickstart: error: {missing}", file=sys.stderr)
+            return 2
         path = write_quickstart(folder)
         print(f"wrote {path}\nnext: fitune train {path}")
         return 0

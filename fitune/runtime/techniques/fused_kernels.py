@@ -20,15 +20,17 @@ KWARGS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_
 
 def enable_liger_kernels(model) -> None:
     """Patch `model` (a transformers causal LM, not yet PEFT-wrapped) with Liger's kernels, or explain why not."""
+    from ..needs import LIGER, cuda_problem, machine_problems
+
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError as exc:
-        raise ConfigError("kernels: liger needs the liger-kernel package (pip install liger-kernel) and a CUDA GPU; "
-                          "or set kernels: torch") from exc
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        raise ConfigError(machine_problems([LIGER], on_cuda, has=lambda module: False)) from exc
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ConfigError(f"kernels: liger has no kernels for model type {model_type!r}; set kernels: torch")
     device = next(model.parameters()).device
     if device.type != "cuda":
-        raise ConfigError("kernels: liger runs Triton kernels on a CUDA GPU; on this machine set kernels: torch")
+        raise ConfigError(cuda_problem(LIGER))
     _apply_liger_kernel_to_instance(model=model, **KWARGS)
