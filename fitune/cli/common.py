@@ -48,45 +48,27 @@ def setup_and_model(args, default_stack: str | None = None) -> tuple[str | None,
     return model, base.replace(**flags), origin
 
 
+def write_keeping_previous(path: str, text: str, flag: str = "--write") -> str | None:
+    """Write `text` to `path` whole and keep an earlier file with other contents as `PATH.bak` (`.bak.1`, ...), so a
+    hand-edited plan is never lost to a second `fitune plan --write`; the old file keeps its name until the new
+    one is complete (fitune/files.py `write_keeping_previous`). Returns the name it was kept under, or None."""
+    from ..files import write_keeping_previous as write
 
-def write_keeping_previous(path: str, text: str) -> str | None:
-    """Write `text` to `path` whole (a temporary file, then a rename: never half a file) and keep what was there:
-    an existing file with other contents is moved aside to the first free `PATH.bak`, `PATH.bak.1`, ... first, so
-    a hand-edited plan is never lost to a second `fitune plan --write`. Returns the name it was kept under, or
-    None (no earlier file, or the same contents)."""
-    import os
-
-    kept = None
-    if os.path.lexists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                same = f.read() == text
-        except (OSError, UnicodeDecodeError):
-            same = False
-        if not same:
-            kept, n = f"{path}.bak", 0
-            while os.path.lexists(kept):
-                n += 1
-                kept = f"{path}.bak.{n}"
-            os.replace(path, kept)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return kept
+    return write(path, text, what=flag)
 
 
 def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
-    """Refuse, before any work is done, an output file that cannot be written: an empty name, a folder, a path
-    under a file, a missing folder (unless the writer makes it: `make_parents`) or one this user cannot write."""
+    """Refuse, before any work is done, an output file that cannot be written: an empty name, anything but a
+    regular file in its place (a symbolic link, a FIFO, a socket, a device, a folder), a path under a file, a
+    missing folder (unless the writer makes it: `make_parents`) or one this user cannot write."""
     import os
 
     from ..errors import ConfigError
+    from ..files import check_target
 
     if not path or not path.strip():
         raise ConfigError(f"{flag} needs a file name, got {path!r}")
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a folder; give the name of a file (inside it, or elsewhere)")
+    check_target(path, flag)  # a link, pipe, device or folder: refused before any work (and again when written)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ConfigError(f"{flag} {path} exists and is not writable by this user; choose another file")
     folder = os.path.dirname(os.path.abspath(path))

@@ -30,7 +30,8 @@ f16 logits within 0.04 (the same top token everywhere), q8_0 within 1.8 (the sam
 positions); docs/export.md.
 
 The file is written as a temporary file beside --out and renamed at the end: an interrupted export leaves no
-half-written FILE.gguf. An existing --out is refused unless --force.
+half-written FILE.gguf. An existing --out is refused unless --force; a symbolic link, FIFO or device there is
+refused even with --force (fitune never writes through a link or replaces a device).
 
 exit codes: 0 written, 2 a problem with SOURCE or --out (the message says what to do).
 

@@ -114,9 +114,10 @@ def read_prompts(path: str) -> list:
     Raises:
         DataError: a missing file, a line that is not such an object (every bad line named), no prompt at all.
     """
+    from ..files import read_text_regular
+
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = read_text_regular(path, what="--prompts").splitlines()  # a FIFO or device: refused, never waited on
     except FileNotFoundError:
         raise DataError(f"--prompts {path} does not exist", path=path) from None
     except UnicodeDecodeError as exc:
@@ -166,18 +167,31 @@ def run(args) -> int:
     from .progress import progress_callback
 
     torch.manual_seed(args.seed)
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    from ..files import UnsafeFileError, open_output_stream
+
+    # --out grows line by line (read it while it runs; an interrupted run keeps its lines), never through a link
+    out = open_output_stream(args.out, what="--out") if args.out else sys.stdout
     try:
         with progress_callback("generate", "prompt", enabled=args.prompts is not None) as progress:
             for done, g in enumerate(iter_generate(model, tokenizer, prompts, settings, raw=args.raw,
                                                    batch_size=args.batch_size), 1):
                 line = {("prompt" if isinstance(g.prompt, str) else "messages"): g.prompt, "response": g.response,
                         "new_tokens": g.new_tokens, "finished": g.finished}
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                out.flush()
+                _write_line(out, json.dumps(line, ensure_ascii=False) + "\n", args.out, done - 1, UnsafeFileError)
                 if progress is not None:
                     progress(done, len(prompts))
     finally:
         if out is not sys.stdout:
             out.close()
     return 0
+
+
+def _write_line(out, text: str, path: str | None, written: int, error) -> None:
+    try:
+        out.write(text)
+        out.flush()
+    except OSError as exc:
+        if path is None or isinstance(exc, BrokenPipeError):
+            raise
+        raise error(f"--out {path}: could not write it ({exc.strerror or exc}) after {written} line(s), which it "
+                    "holds; free some space (or write elsewhere) and run again", path=path) from None

@@ -11,7 +11,8 @@ folder: safetensors shards (--max-shard-size), the tokenizer, config.json and ge
 anywhere without PEFT or fitune (AutoModelForCausalLM.from_pretrained(DIR)), and `fitune export` converts it.
 
 RUN_DIR: the output_dir of `fitune train` (its adapter/), or a PEFT adapter folder. --out must be a new or empty
-folder; the files are written beside it (DIR.tmp-<pid>) and renamed at the end, so DIR is never half-written.
+folder (not a link); the files are written into a fresh temporary folder beside it and renamed at the end, so DIR
+is never half-written.
 
 dtype: the run's by default (its `dtype:`; QLoRA: bf16); --dtype to choose. QLoRA: the adapter was trained on the
 NF4 (4-bit) base, so the NF4 weights are dequantized to bf16 first and the adapter merged into those (bitsandbytes,

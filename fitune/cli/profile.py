@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..errors import ConfigError
@@ -76,9 +77,7 @@ def run(args) -> int:
     result = profile(spec, setup, source=model_name, steps=args.steps, device=args.device, cap=cap, gpu=gpu,
                      progress=progress)
     if args.plot and result.timeline:
-        from ..profile.plot import plot_timeline
-
-        plot_timeline(result, args.plot)
+        _write_plot(result, args.plot)
     from ..report import maybe_write_html
 
     maybe_write_html(args, "profile", result.to_json())
@@ -88,6 +87,19 @@ def run(args) -> int:
     else:
         print(format_result(result))
     return 1 if result.oom else 0
+
+
+def _write_plot(result, path: str) -> None:
+    """--plot through a temporary file no planted link can redirect, renamed over `path` once complete; matplotlib
+    gets the open file, so the format comes from the name's extension here (png when it has none)."""
+    import matplotlib
+
+    from ..files import atomic_writer
+    from ..profile.plot import plot_timeline
+
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    with atomic_writer(path, what="--plot") as f, matplotlib.rc_context({"savefig.format": fmt}):
+        plot_timeline(result, f)
 
 
 #: The largest training step `--device cpu` runs, in FLOPs (forward + backward, `fitune.perf.flops`): about
@@ -148,6 +160,13 @@ def check_output_paths(args) -> None:
         except ImportError as exc:
             raise ConfigError("--plot needs matplotlib: pip install matplotlib (or pip install 'fitune[plot]'); "
                               "--html draws its charts without it") from exc
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if ext and ext not in kinds:
+            raise ConfigError(f"--plot {args.plot}: matplotlib cannot write .{ext} files; name a .png (or one of: "
+                              f"{', '.join(sorted(kinds))})")
     if getattr(args, "html", None) is not None:
         check_output_file(args.html, "--html", make_parents=True)
 

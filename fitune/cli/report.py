@@ -91,9 +91,11 @@ def run(args) -> int:
             raise ConfigError(f"{flag} {path} is not a regular file (a pipe or a device?); pass a file (or - for "
                               "stdin)")  # opening a pipe nobody writes to would wait forever
     out = args.output or default_output(args.kind, args.input)
+    flag = "-o" if args.output else "-o (default: beside INPUT)"
     from .common import check_output_file
 
-    check_output_file(out, "-o" if args.output else "-o (default: beside INPUT)", make_parents=True)
+    check_output_file(out, flag, make_parents=True)
+    _refuse_writing_an_input(args, out, flag)
     try:
         doc = load_document(args.kind, args.input, script=args.script)
     except RecursionError:
@@ -101,16 +103,46 @@ def run(args) -> int:
                           "pass what the command printed") from None
     options = {"refresh_s": args.refresh}
     if args.measured:
+        from ..report.check import check_numbers
         from ..report.load import check_kind
 
         measured = read_json(args.measured, "--measured")
         check_kind("profile", measured, args.measured, "--measured")
+        check_numbers(measured, "profile", f"--measured {args.measured}")
         options["measured"] = measured
     if args.watch:
         return _watch(args.input, out, args.watch, read_run, write_html)
-    write_html(args.kind, doc, out, **options)
+    _write(write_html, args.kind, doc, out, args.input, **options)
     print(f"wrote {out}")
     return 0
+
+
+def _refuse_writing_an_input(args, out: str, flag: str) -> None:
+    """`fitune report estimate page.html` (whose default output is page.html itself), `-o` naming INPUT,
+    --measured, --script or a run's metrics.jsonl, by any path or link: refused before anything is read."""
+    from ..files import same_file
+
+    inputs = [("INPUT", args.input if args.kind != "train" else None), ("--measured", args.measured),
+              ("--script", args.script)]
+    if args.kind == "train":
+        inputs += [("the run's", os.path.join(args.input, name)) for name in ("metrics.jsonl", "run.json")]
+    for what, path in inputs:
+        if path and path != "-" and os.path.lexists(out) and same_file(out, path):
+            raise ConfigError(f"{flag} {out} is {what} {path} itself: the page would overwrite what it is made from; "
+                              "give another file with -o (e.g. -o report.html)")
+
+
+def _write(write_html, kind: str, doc, out: str, source: str, **options) -> None:
+    """write_html, with any value the checks let through that the page cannot draw turned into one message."""
+    from ..errors import FituneError
+
+    try:
+        write_html(kind, doc, out, what="-o", **options)
+    except FituneError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, ZeroDivisionError) as exc:
+        raise ConfigError(f"{source}: a value in it has a type or size `fitune {kind} --json` never writes "
+                          f"({type(exc).__name__}: {exc}); pass what the command printed, unedited") from None
 
 
 def _watch(run_dir: str, out: str, every_s: int, read_run, write_html) -> int:
@@ -119,11 +151,11 @@ def _watch(run_dir: str, out: str, every_s: int, read_run, write_html) -> int:
     try:
         while True:
             doc = read_run(run_dir)
-            write_html("train", doc, out, refresh_s=None if doc["finished"] else every_s)
+            _write(write_html, "train", doc, out, run_dir, refresh_s=None if doc["finished"] else every_s)
             if doc["finished"]:
                 break
             time.sleep(every_s)
     except KeyboardInterrupt:
-        write_html("train", read_run(run_dir), out)  # the last page stops reloading
+        _write(write_html, "train", read_run(run_dir), out, run_dir)  # the last page stops reloading
     print(f"wrote {out}")
     return 0

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
+from ..files import check_regular, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +172,13 @@ def export_gguf(model_folder: str, out_path: str, qtype: str = "f16", *, overwri
 
 def check_output_path(out_path: str, overwrite: bool) -> None:
     """Raise ExportError when `out_path` cannot be written: a folder, an existing file without `overwrite`, a
-    missing parent folder."""
-    if os.path.isdir(out_path):
+    missing parent folder; and UnsafeFileError (even with `overwrite`) when a symbolic link, FIFO, socket or
+    device is in its place."""
+    from ..files import check_target
+
+    if os.path.isdir(out_path) and not os.path.islink(out_path):
         raise ExportError(f"--out {out_path} is a folder; give the file to write, e.g. {out_path}/model.gguf")
+    check_target(out_path, "--out")
     if os.path.lexists(out_path) and not overwrite:
         raise ExportError(f"--out {out_path} exists; pass --force to replace it, or choose another file name")
     parent = os.path.dirname(out_path)
@@ -189,7 +194,7 @@ def _read_config(folder: str) -> dict:
                           f"{', '.join(found) or 'nothing'}); give a folder written by save_pretrained, `fitune "
                           "merge`, or a fitune run folder")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, what="the model's") as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read {path}: {exc}; it should be the JSON config.json that save_pretrained "
@@ -252,9 +257,12 @@ def _weight_files(folder: str) -> dict[str, str]:
 
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
+        with open_regular(index, what="the model's") as f:
             weight_map = json.load(f).get("weight_map") or {}
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        files = {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        for path in set(files.values()):
+            check_regular(path, "the model's")  # safetensors opens it by name: a FIFO would block it
+        return files
     shards = sorted(n for n in os.listdir(folder) if n.startswith("model") and n.endswith(".safetensors"))
     if not shards:
         found = [n for n in sorted(os.listdir(folder)) if n.endswith((".bin", ".pt", ".pth", ".safetensors"))]
@@ -263,6 +271,7 @@ def _weight_files(folder: str) -> dict[str, str]:
     files: dict[str, str] = {}
     for shard in shards:
         path = os.path.join(folder, shard)
+        check_regular(path, "the model's")
         with safe_open(path, framework="pt") as f:
             files.update({name: path for name in f.keys()})
     return files
@@ -351,7 +360,7 @@ def _read_vocab(folder: str, vocab_size: int) -> _Vocab:
         raise ExportError(f"{folder} has {what}; fitune writes the tokenizer from tokenizer.json ({SUPPORTED}); "
                           "copy the base model's tokenizer files (tokenizer.json, tokenizer_config.json) into the "
                           "folder, or use llama.cpp's convert_hf_to_gguf.py")
-    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+    with open_regular(os.path.join(folder, "tokenizer.json"), what="the model's") as f:
         spec = json.load(f)
     if _is_sentencepiece_style(spec):
         return _read_llama_vocab(folder, spec, vocab_size)
@@ -524,7 +533,7 @@ def _generation_eos(folder: str) -> int | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, what="the model's") as f:
             value = json.load(f).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
         return None
@@ -554,28 +563,24 @@ def _write(out_path: str, arch: str, hp: dict, vocab: _Vocab, tensors: list[_Ten
             writer.add_tensor_info(t.name, t.shape, dtype, math.prod(t.shape) * dtype.itemsize)
     metadata_keys = sorted(writer.kv_data[0])
 
-    tmp = os.path.join(os.path.dirname(out_path), f".{os.path.basename(out_path)}.tmp{os.getpid()}")
-    from pathlib import Path
+    from ..files import atomic_writer
 
-    try:
-        writer.write_header_to_file(Path(tmp))
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        clipped = []
-        for done, t in enumerate(tensors, 1):
-            data, peak = _tensor_data(t, hp, folder)
-            if peak > F16_MAX and t.ggml_type != "F32":
-                clipped.append(f"{t.name} (max |x| {peak:.4g})")
-            writer.write_tensor_data(data)
-            if progress is not None:
-                progress(done, len(tensors))
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    try:  # a temporary file beside out_path (O_EXCL, never a link), renamed over it once complete
+        with atomic_writer(out_path, what="--out") as f:
+            _attach(writer, f)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            clipped = []
+            for done, t in enumerate(tensors, 1):
+                data, peak = _tensor_data(t, hp, folder)
+                if peak > F16_MAX and t.ggml_type != "F32":
+                    clipped.append(f"{t.name} (max |x| {peak:.4g})")
+                writer.write_tensor_data(data)
+                if progress is not None:
+                    progress(done, len(tensors))
+    finally:
+        writer.close()  # idempotent; after an error it drops the writer's hold on the removed temporary file
     if clipped:
         notes.append(f"values beyond f16's range ({F16_MAX:g}) were clipped to it in: {', '.join(clipped)}")
     types: dict[str, int] = {}
@@ -595,6 +600,16 @@ def _write(out_path: str, arch: str, hp: dict, vocab: _Vocab, tensors: list[_Ten
         "metadata_keys": metadata_keys,
         "notes": notes,
     }
+
+
+def _attach(writer, f) -> None:
+    """Hand the GGUFWriter our open temporary file. Its public way in, `write_header_to_file(path)`, opens a path
+    by name (`open(path, "wb")`), which a link planted at that name would redirect; `open_output_file` returns
+    early when `fout` is set and the state is EMPTY, the state it sets itself after opening (gguf >= 0.10)."""
+    from gguf.gguf_writer import WriterState
+
+    writer.fout = [f]
+    writer.state = WriterState.EMPTY
 
 
 def _add_metadata(writer, arch: str, hp: dict, vocab: _Vocab, qtype: str, name: str, n_params: int) -> None:

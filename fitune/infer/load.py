@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
+from ..files import open_regular
 
 RUN_FILE = "run.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -174,7 +175,7 @@ def _describe_checkpoint(root: str, checkpoint: str, config: dict, common: dict,
 
 def _describe_adapter(path: str, run: dict | None) -> RunInfo:
     try:
-        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+        with open_regular(os.path.join(path, "adapter_config.json"), what="the adapter's") as f:
             adapter_config = json.load(f)
         base = adapter_config["base_model_name_or_path"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -207,7 +208,7 @@ def _with_run_settings(info: RunInfo, run: dict | None) -> RunInfo:
 def _read_run_config(root: str) -> dict:
     path = os.path.join(root, RUN_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, what="the run's") as f:
             config = json.load(f)["config"]
     except (ValueError, KeyError, TypeError) as exc:
         raise RunLoadError(f"{path} is not a fitune run file ({exc!r}); it should hold the run's config under "
@@ -244,7 +245,7 @@ def _data_format(config: dict) -> str | None:
 def _config_dtype(folder: str) -> str:
     """The dtype a model folder's config.json declares (fp32 when it declares none)."""
     try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        with open_regular(os.path.join(folder, "config.json"), what="the model's") as f:
             config = json.load(f)
     except (OSError, ValueError):
         return "fp32"
@@ -298,7 +299,7 @@ def _checkpoint_names(root: str) -> list[str]:
 def _live_pid(root: str) -> int | None:
     """The pid in the run's lock file when that process is alive on this machine (the run is still going)."""
     try:
-        with open(os.path.join(root, "fitune.lock"), encoding="utf-8") as f:
+        with open_regular(os.path.join(root, "fitune.lock"), what="the run's") as f:
             holder = json.loads(f.read() or "{}")
         pid = int(holder["pid"])
         import socket
@@ -370,6 +371,8 @@ def load_run(run_dir: str, *, merged: bool | None = None, device: str = "cpu", d
         RunLoadError, CheckpointError, ConfigError: the message says what to do.
     """
     info = describe_folder(run_dir, merged=merged, checkpoint=checkpoint)
+    for folder in {info.weights_dir, info.tokenizer_dir, info.base_model}:
+        _check_files_are_regular(folder)
     from ..runtime.model import build_model, load_tokenizer
 
     name = dtype_name(dtype) if dtype is not None else info.dtype
@@ -396,6 +399,19 @@ def load_run(run_dir: str, *, merged: bool | None = None, device: str = "cpu", d
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer, dataclasses.replace(info, dtype=name, notes=tuple(notes))
+
+
+def _check_files_are_regular(folder: str | None) -> None:
+    """Refuse a FIFO, socket or device among a local folder's files before transformers, PEFT or safetensors open
+    them by name (a FIFO would block the load forever)."""
+    from ..files import check_regular
+
+    if not folder or not os.path.isdir(folder):
+        return  # a Hub id or a .gguf file: build_model reads it
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            check_regular(path, "the model folder's")
 
 
 def _with_checkpoint(model, info: RunInfo):

@@ -3,8 +3,9 @@
     merge_run(run_dir, out_dir)   base + adapter -> PEFT `merge_and_unload` -> safetensors shards, tokenizer,
                                   config.json, generation_config.json in `out_dir`
 
-The folder is written into `<out_dir>.tmp-<pid>` beside `out_dir` and renamed at the end: `out_dir` is either
-absent or complete. An existing `out_dir` that is not empty is refused (never mixed with, never overwritten).
+The folder is written into a fresh temporary folder beside `out_dir` (`.NAME.XXXXXXXX.tmp`, fitune/files.py
+`atomic_folder`) and renamed at the end: `out_dir` is either absent or complete. An existing `out_dir` that is
+not empty is refused (never mixed with, never overwritten), and so is a link or anything but a folder.
 
 QLoRA: the adapter was trained against the NF4 (4-bit) base. Merging needs real-valued weights, so the NF4
 weights are dequantized to bf16 first (bitsandbytes, CUDA only) and the adapter is added to those: the merged
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 
 from .load import RunInfo, RunLoadError, describe_folder, dtype_name
@@ -33,11 +33,14 @@ class MergeError(RunLoadError):
 
 
 def check_out_dir(out_dir: str) -> None:
-    """Refuse, before any work, an output folder that exists and is not empty, a file, or an unwritable place."""
+    """Refuse, before any work, an output folder that exists and is not empty, a symbolic link (even to a folder),
+    a file, a FIFO or a device, or an unwritable place."""
     if not out_dir or not out_dir.strip():
         raise MergeError(f"--out needs a folder name, got {out_dir!r}")
-    if os.path.isfile(out_dir) or os.path.islink(out_dir):
-        raise MergeError(f"--out {out_dir} is a file (or a link); give a new folder's name")
+    if os.path.lexists(out_dir) and (os.path.islink(out_dir) or not os.path.isdir(out_dir)):
+        from ..files import check_folder_target
+
+        check_folder_target(out_dir, "--out")  # a link, a file, a FIFO, a device: named as such
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         names = sorted(os.listdir(out_dir))
         raise MergeError(f"--out {out_dir} exists and is not empty ({', '.join(names[:5])}"
@@ -171,28 +174,25 @@ def dequantize_nf4(model, dtype) -> int:
 
 
 def _write(model, tokenizer, out_dir: str, name: str, max_shard_size: str) -> None:
-    """The merged model into `<out_dir>.tmp-<pid>`, then renamed to `out_dir` (an empty `out_dir` is replaced)."""
+    """The merged model into a fresh temporary folder beside `out_dir` (mkdtemp: an unpredictable name no planted
+    link can take), then renamed to `out_dir` (an empty `out_dir` is replaced; a link or anything else refused)."""
     import torch
 
+    from ..files import atomic_folder
     from ..runtime.device import torch_dtype
 
-    tmp = f"{os.path.abspath(out_dir).rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.to(torch_dtype(name))
-        model.config.use_cache = True  # training turned the KV cache off; generation wants it
-        model.config.dtype = torch_dtype(name)
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
-        if not os.path.isfile(os.path.join(tmp, "generation_config.json")) and \
-                getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked at the start): the complete folder takes its place
-        os.replace(tmp, out_dir)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (OSError, RuntimeError, ValueError)) and not isinstance(exc, torch.cuda.OutOfMemoryError):
-            raise MergeError(f"could not write {out_dir}: {type(exc).__name__}: {exc}; nothing was left behind (check "
-                             "the free space and permissions, then run fitune merge again)") from None
-        raise
+        with atomic_folder(out_dir, what="--out") as tmp:
+            model.to(torch_dtype(name))
+            model.config.use_cache = True  # training turned the KV cache off; generation wants it
+            model.config.dtype = torch_dtype(name)
+            model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            tokenizer.save_pretrained(tmp)
+            if not os.path.isfile(os.path.join(tmp, "generation_config.json")) and \
+                    getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        raise MergeError(f"could not write {out_dir}: {type(exc).__name__}: {exc}; nothing was left behind (check "
+                         "the free space and permissions, then run fitune merge again)") from None

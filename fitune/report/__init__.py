@@ -62,17 +62,21 @@ def render_html(kind: str, doc, *, measured: dict | None = None, refresh_s: int 
     return page(title, kind, HATCH_DEFS + body, refresh_s)
 
 
-def write_html(kind: str, doc, path: str, **options) -> str:
-    """Render and save the page; the file is replaced whole (a browser reloading it never sees half a page).
-    Returns `path`."""
+def write_html(kind: str, doc, path: str, *, what: str = "--html", **options) -> str:
+    """Render and save the page; the file is replaced whole (a browser reloading it never sees half a page),
+    through a temporary file no link can redirect (fitune/files.py). Returns `path`.
+
+    Raises:
+        UnsafeFileError: `path` is a symbolic link, FIFO, socket, device or folder, or the write failed (`what`,
+            the flag that named it, is in the message).
+    """
+    from ..files import check_target, write_text_atomic
+
+    check_target(path, what)  # before rendering, and before making its folder
     text = render_html(kind, doc, **options)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text, what=what)
 
 
 def add_html_argument(parser) -> None:

@@ -199,6 +199,11 @@ class Series:
     dash: str = ""
 
 
+MAX_TICKS = 64
+"""An axis never gets more ticks (nice_ticks gives 5-7; the bound only stops a loop on numbers like 1e17 + 1,
+whose tick step is below the float's precision)."""
+
+
 def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, width: int = 560, height: int = 260,
                x_label: str = "step", max_marks: int = 400, bands: list[tuple[float, float, str, str]] = (),
                stack: list[Series] = (), stack_marks: int = 150) -> str:
@@ -218,17 +223,17 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
     xs = [p[0] for p in pts]
     ys = [p[1] for p in pts]
     x_lo, x_hi = min(xs), max(xs)
-    if x_hi == x_lo:
-        x_hi = x_lo + 1
+    if x_hi - x_lo < abs(x_lo) * 1e-9 or x_hi == x_lo:  # one step (or steps too close for a float to tell apart)
+        x_hi = x_lo + max(1.0, abs(x_lo) * 1e-9)
     unit, size = byte_unit(max(ys)) if bytes_axis else ("", 1)
     y_lo, y_hi = min(ys) / size, max(ys) / size
     # a loss axis starts near its data; bytes, tokens/s and anything close to 0 start at 0
     lo = 0.0 if (bytes_axis or 0 <= y_lo < 0.5 * y_hi) else y_lo
-    probe = nice_ticks((y_hi - lo) or abs(y_hi) or 1)
+    probe = nice_ticks(max(y_hi - lo, abs(y_hi) * 1e-9) or 1)  # a tick step a float can add to numbers this large
     step = probe[1] - probe[0]
     start = math.floor(lo / step + 1e-9) * step
     y_ticks = [start]
-    while y_ticks[-1] < y_hi - 1e-9 or len(y_ticks) < 2:
+    while (y_ticks[-1] < y_hi - 1e-9 or len(y_ticks) < 2) and len(y_ticks) < MAX_TICKS:
         y_ticks.append(start + len(y_ticks) * step)
     y_min, y_max = y_ticks[0], y_ticks[-1]
 
@@ -251,10 +256,12 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
                    f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{esc(format_value(t, 3))}</text>')
     xt = nice_ticks(x_hi - x_lo, 6)
     x_step = xt[1] - xt[0]
-    v = math.ceil(x_lo / x_step - 1e-9) * x_step
-    while v <= x_hi + 1e-9:
+    first = math.ceil(x_lo / x_step - 1e-9)
+    for i in range(first, first + MAX_TICKS):  # counted, not added up: a step below the numbers' precision ends
+        v = i * x_step
+        if v > x_hi + 1e-9:
+            break
         out.append(f'<text x="{sx(v):.1f}" y="{height - 20}" text-anchor="middle">{esc(format_value(v, 3))}</text>')
-        v += x_step
     out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">{esc(x_label)}</text></g>')
     for i, s in enumerate(stack):
         top_edge = tops[i]

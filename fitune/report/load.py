@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..errors import FituneError
+from .check import check_numbers
 
 KINDS = ("estimate", "plan", "profile", "train", "doctor")
 
@@ -39,8 +40,9 @@ def read_json(source: str, what: str = "INPUT"):
             text = sys.stdin.read()
             name = "stdin"
         else:
-            with open(source, encoding="utf-8") as f:
-                text = f.read()
+            from ..files import read_text_regular
+
+            text = read_text_regular(source, what=what)  # a FIFO or a device is refused, never waited on
             name = source
     except FileNotFoundError:
         raise FituneError(f"{what} {source}: no such file; write one with e.g. "
@@ -59,6 +61,9 @@ def read_json(source: str, what: str = "INPUT"):
     except json.JSONDecodeError as exc:
         raise FituneError(f"{what} {name} is not JSON ({exc.msg} at line {exc.lineno}); pass what a fitune command "
                           "printed with --json (its text output is not JSON)") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits (Python's limit on reading one)
+        raise FituneError(f"{what} {name} holds a number no fitune output holds ({exc}); pass what a fitune "
+                          "command printed with --json") from None
 
 
 def check_kind(kind: str, doc, source: str, flag: str | None = None) -> None:
@@ -92,6 +97,7 @@ def load_document(kind: str, source: str, measured: str | None = None, script: s
         return read_run(source)
     doc = read_json(source)
     check_kind(kind, doc, "stdin" if source == "-" else source)
+    check_numbers(doc, kind, "stdin" if source == "-" else source)
     if kind == "doctor":
         from .doctor import as_doc
 
@@ -101,7 +107,9 @@ def load_document(kind: str, source: str, measured: str | None = None, script: s
 
 
 def read_source(path: str) -> str:
+    """The text of the doctor's script (`--script`, or the path its findings name); a FIFO or device is refused."""
+    from ..files import read_text_regular
+
     if not os.path.isfile(path):
         raise FituneError(f"--script {path}: no such file (the script the doctor's findings are about)")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    return read_text_regular(path, what="--script", errors="replace")

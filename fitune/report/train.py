@@ -6,6 +6,8 @@ import json
 import os
 
 from ..errors import FituneError
+from ..files import open_regular
+from .check import check_metrics_line
 from .charts import Series, line_chart
 from .html import OKABE_ITO, esc, num_bytes, num_value
 
@@ -19,7 +21,8 @@ def read_run(run_dir: str) -> dict:
     `steps` holds the metrics.jsonl lines with a `loss`, `evals` those with an `eval_loss`, in file order.
 
     Raises:
-        FituneError: no such folder, no metrics.jsonl in it, or a line that is not a JSON object.
+        FituneError: no such folder, no metrics.jsonl in it, metrics.jsonl not a regular file inside the folder (a
+            FIFO, a device, a link out of it), or a line that is not a JSON object of numbers.
     """
     if not os.path.isdir(run_dir):
         raise FituneError(f"{run_dir}: no such run folder; pass the output_dir of `fitune train` (it holds "
@@ -29,8 +32,12 @@ def read_run(run_dir: str) -> dict:
         found = ", ".join(sorted(os.listdir(run_dir))[:8]) or "nothing"
         raise FituneError(f"{run_dir}: no metrics.jsonl (found: {found}); pass the output_dir of `fitune train`")
     steps, evals = [], []
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+    try:  # a FIFO, a device (a link to /dev/zero) or a link out of the run folder is refused, never read
+        with open_regular(path, what="the run's", within=run_dir) as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as exc:
+        raise FituneError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); metrics.jsonl holds one "
+                          "JSON object per line, as fitune train writes it") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -40,8 +47,11 @@ def read_run(run_dir: str) -> dict:
             if n == len(lines) and not line.endswith("\n"):
                 break  # the run is writing this line right now
             raise FituneError(f"{path}:{n}: not JSON ({exc.msg}); metrics.jsonl holds one JSON object per line") from None
+        except ValueError as exc:  # an integer of more than 4,300 digits
+            raise FituneError(f"{path}:{n}: {exc}; metrics.jsonl holds the numbers fitune train writes") from None
         if not isinstance(row, dict):
             raise FituneError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        check_metrics_line(row, path, n)
         if "loss" in row:
             steps.append(row)
         if "eval_loss" in row:
