@@ -496,6 +496,10 @@ def config_from_dict(doc: dict, source: str = "config", overrides: dict | None =
         problems.add(f"{source}: expected a mapping of keys (model:, data:, method:, ...)")
         problems.raise_if_any()
     merged = _merge(doc, overrides or {}, problems)
+    remote = _remote_code_problem(merged, source, from_file="trust_remote_code" not in (overrides or {}))
+    if remote:
+        problems.add(remote)
+        merged = {k: v for k, v in merged.items() if k != "trust_remote_code"}  # one problem, not two
     values = values_from_mapping(merged, ALL_KEYS, source, problems, shorthand={"data": "path"})
     origin = {f: "yaml" for f in values}
     for f, v in (flag_values or {}).items():
@@ -509,6 +513,45 @@ def config_from_dict(doc: dict, source: str = "config", overrides: dict | None =
     cfg = config_from_values(values)
     cfg.validate(origin, config_dir=os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None)
     return cfg
+
+
+REMOTE_CODE_KEY = "trust_remote_code"
+
+
+def _remote_code_problem(doc: dict, source: str, from_file: bool) -> str | None:
+    """Why the document's trust_remote_code is refused: it runs a model folder's own code, so only the literal
+    `true` turns it on. YAML 1.1 also reads `yes`, `on`, `y`, `True` as true; the file's text is read again to tell
+    them apart (a `--set` value, already parsed, is checked by type only)."""
+    value = doc.get(REMOTE_CODE_KEY, False)
+    if value is False:
+        return None
+    written = _written_scalar(source, REMOTE_CODE_KEY) if from_file else None
+    if value is True and written in (None, "true"):
+        return None
+    shown = repr(written) if written is not None else repr(value)
+    return (f"{REMOTE_CODE_KEY}: {shown} — only the literal true runs a model folder's own code; write "
+            f"{REMOTE_CODE_KEY}: true (or false, or leave it out)")
+
+
+def _written_scalar(source: str, top_key: str) -> str | None:
+    """The text a YAML config file wrote for a top-level key's scalar value (quotes kept: `"true"`), or None when
+    `source` is not a YAML file or the key is not a plain scalar there."""
+    if not (isinstance(source, str) and os.path.isfile(source)) or source.endswith(".json"):
+        return None
+    try:
+        import yaml
+
+        with open(source, encoding="utf-8-sig") as f:
+            root = yaml.compose(f, Loader=yaml.SafeLoader)
+    except Exception:  # noqa: BLE001 - load_config_file already read the file; nothing more to learn here
+        return None
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    for key_node, value_node in root.value:
+        if getattr(key_node, "value", None) == top_key and isinstance(value_node, yaml.ScalarNode):
+            quote = {"'": "'", '"': '"'}.get(value_node.style or "", "")
+            return f"{quote}{value_node.value}{quote}"
+    return None
 
 
 def config_from_values(values: dict) -> TrainConfig:

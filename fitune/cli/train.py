@@ -74,6 +74,9 @@ def parse_overrides(args) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set lora.rank=16")
         key, value = item.split("=", 1)
+        if key.strip() == "trust_remote_code" and value.strip() not in ("true", "false"):
+            raise ConfigError(f"--set trust_remote_code={value.strip()!r}: only the literal true runs a model folder's "
+                              "own code; write --set trust_remote_code=true (or --trust-remote-code)")
         out[key.strip()] = parse_yaml_value(value, f"--set {item}")
     return out
 

@@ -27,7 +27,9 @@ Pure Python plus the tokenizer object it is given; `load_tokenizer` imports tran
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,6 +37,8 @@ from ..errors import ConfigError, DataError
 from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise, string_field
 from .formats import FORMATS, canonical_format, detect_format, format_of
 from .read import RecordProblem, Records, data_error, iter_records, json_type, read_records, source_of, unit_of
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (transformers' and torch's cross-entropy `ignore_index`)."""
@@ -252,6 +256,10 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
         where = local_model(source, download=download, key=key)
     except ConfigError as exc:
         raise DataError(str(exc)) from exc
+    if trust_remote_code:
+        from ..specs.sources import announce_remote_code
+
+        announce_remote_code(source, where.folder, log)
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -260,11 +268,41 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
         tokenizer = AutoTokenizer.from_pretrained(where.folder, local_files_only=True,
                                                   trust_remote_code=trust_remote_code, **where.from_pretrained_kwargs())
     except Exception as exc:  # transformers raises OSError / ValueError / KeyError depending on what is missing
+        damaged = _damaged_tokenizer_file(where.folder) if not where.gguf_file else None
+        if damaged:
+            raise DataError(f"{key} {source}: {damaged}; download the tokenizer files again (or fix that file)",
+                            path=damaged.split(" ", 1)[0]) from exc
+        from ..specs.sources import config_json_problem  # AutoTokenizer reads config.json to pick the class
+
+        refused = config_json_problem(where.folder, exc) if not where.gguf_file else None
+        if refused:
+            raise DataError(f"{key} {source}: {refused}", path=os.path.join(where.folder, "config.json")) from exc
         raise DataError(f"{key} {source}: transformers could not load a tokenizer from it ({exc}); point it at a "
                         "folder holding tokenizer.json / tokenizer_config.json") from exc
     if where.gguf_file:
         set_gguf_special_tokens(tokenizer, os.path.join(where.folder, where.gguf_file))
     return tokenizer
+
+
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "added_tokens.json", "vocab.json")
+"""The JSON files of a tokenizer folder that transformers reads; a damaged one is named by `_damaged_tokenizer_file`."""
+
+
+def _damaged_tokenizer_file(folder: str) -> str | None:
+    """"PATH is not valid JSON (why)" for the first tokenizer file of `folder` that does not parse, else None."""
+    import json
+
+    for name in TOKENIZER_JSON_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+            return f"{path} is not valid JSON ({exc})"
+    return None
 
 
 def tokenizer_source_problem(source: str, key: str = "--tokenizer") -> str | None:
@@ -317,6 +355,7 @@ class _Encoder:
         self.eos = tokenizer.eos_token_id
         self.fast = bool(getattr(tokenizer, "is_fast", False))
         self.prefix = self._special_prefix()
+        self._template_checked = False
 
     def _special_prefix(self) -> list[int]:
         """The special tokens the tokenizer puts before a text (e.g. <s>); learnt by probing, since tokenizers
@@ -379,10 +418,19 @@ class _Encoder:
         return ids, [label if keep else IGNORE_INDEX for label, keep in zip(labels, after_prompt)]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if not self._template_checked:  # before the first record: a template that loops for hours is refused here
+            check_chat_template_time(self.tokenizer)
+            self._template_checked = True
+
+        def apply() -> str:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            return run_with_time_limit(apply, RENDER_LIMIT_S)
+        except _TimeLimit:
+            raise DataError(_slow_template_message(self.tokenizer, RENDER_LIMIT_S,
+                                                   f"a {len(messages)}-message conversation")) from None
         except Exception as e:  # jinja2 TemplateError, or the template's own raise_exception(...)
             raise _RecordProblem(f"the chat template cannot render these messages: {e}") from None
 
@@ -518,6 +566,90 @@ class _Encoder:
         return ids, starts
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Chat templates with a time limit
+
+PROBE_LIMIT_S = 2.0
+"""Seconds the chat template may take on PROBE_CONVERSATION before any record is encoded: real templates take
+about a millisecond; a template with nested loops (`{% for a in range(100000) %}{% for b in range(100000) %}`) would
+run for hours. (transformers renders in Jinja's ImmutableSandboxedEnvironment, which caps range() at 100,000 items
+but not loops inside loops: the time limit is what bounds them.)"""
+RENDER_LIMIT_S = 30.0
+"""Seconds one record's render may take (a 200-turn conversation renders in milliseconds with a real template)."""
+PROBE_CONVERSATION = ({"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"})
+
+
+class _TimeLimit(BaseException):
+    """Raised inside a render that ran past its limit. A BaseException, so that no `except Exception` of the
+    template machinery swallows it."""
+
+
+def run_with_time_limit(fn, limit_s: float):
+    """`fn()`, or _TimeLimit once it has run `limit_s` seconds.
+
+    In the main thread of a POSIX process with no interval timer running, SIGALRM interrupts `fn` itself (the
+    previous handler is put back). Elsewhere `fn` runs in a daemon thread that is abandoned past the limit: the
+    caller gets its answer in time, and the process exits on the error all the same.
+    """
+    import signal
+    import threading
+
+    usable = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+              and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+    if usable:
+        def on_alarm(signum, frame):
+            raise _TimeLimit()
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, limit_s)
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="fitune-chat-template", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if worker.is_alive():
+        raise _TimeLimit()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _slow_template_message(tokenizer: Any, limit_s: float, what: str) -> str:
+    name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    return (f"the chat template of {name} takes too long to render (over {limit_s:g} s on {what}); it loops "
+            "without bound (loops inside loops?): fix the chat_template in its tokenizer_config.json (or "
+            "chat_template.jinja), or use the model's original tokenizer")
+
+
+def check_chat_template_time(tokenizer: Any, limit_s: float = PROBE_LIMIT_S) -> None:
+    """Render the tokenizer's chat template once on a 2-message conversation within `limit_s` seconds, before any
+    record is encoded. A template that fails to render is left for the records to report (`_Encoder.render`).
+
+    Raises:
+        DataError: the template runs past the limit.
+    """
+    def apply() -> str:
+        return tokenizer.apply_chat_template([dict(m) for m in PROBE_CONVERSATION], tokenize=False)
+
+    try:
+        run_with_time_limit(apply, limit_s)
+    except _TimeLimit:
+        raise DataError(_slow_template_message(tokenizer, limit_s, "a 2-message conversation")) from None
+    except Exception:  # noqa: BLE001 - a template that cannot render this probe: the records say how
+        pass
+
+
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading items `a` and `b` share."""
     n = 0
@@ -645,11 +777,32 @@ def encode_one(encoder: "_Encoder", fmt: str, record: dict, chat_template: bool)
     Raises:
         _RecordProblem: the record lacks its format's fields, or the chat template cannot render it.
     """
+    _check_unicode(record)
     shape, normalised = normalise(fmt, record, chat_template)
     ids, labels = encoder.encode(shape, normalised)
     if labels:
         labels[0] = IGNORE_INDEX  # never a target: the loss scores labels[t + 1] against the logits at t
     return ids, labels
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any, depth: int = 0) -> None:
+    """Raise _RecordProblem for a string of the record holding an unpaired surrogate (JSON's "\\ud800" escape
+    read as half a UTF-16 pair, or a parquet / Hub value carrying one): not a character, and the tokenizer refuses
+    it with a TypeError that names nothing."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise _RecordProblem(f"text with an unpaired surrogate ({ascii(found.group())[1:-1]}) at character "
+                                 f"{found.start()}: not valid Unicode; fix the record")
+    elif isinstance(value, dict) and depth < 32:
+        for item in value.values():
+            _check_unicode(item, depth + 1)
+    elif isinstance(value, (list, tuple)) and depth < 32:
+        for item in value:
+            _check_unicode(item, depth + 1)
 
 
 def tokenize_records(

@@ -21,6 +21,7 @@ this module where they need it (never at their own import).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,9 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
             file or a Hub id whose cached snapshot has them).
     Raises:
         ConfigError: NF4 without a CUDA GPU, flash attention without the flash_attn package or in fp32, an unknown
-            `init`, or a Hub id that is neither cached nor downloadable.
+            `init`, a Hub id that is neither cached nor downloadable, a folder whose weights are pickle files only,
+            or anything transformers / safetensors refuse while building or loading it (a damaged .safetensors
+            file, a config.json value: the message names the file and the key).
     """
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +85,8 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
         kwargs = {k: v for k, v in config.items() if k not in _CONFIG_KEYS_NOT_FOR_INIT}
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.for_model(config["model_type"], **kwargs)
+        with _load_errors(source, None, config):
+            hf_config = AutoConfig.for_model(config["model_type"], **kwargs)
         if quantize == "nf4":
             # built on the meta device, then made real one part at a time, each decoder layer quantised as soon as
             # it exists: the whole bf16 model never is (an 8B one, 15 GiB, does not fit an 8 or 12 GB card)
@@ -92,36 +96,118 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
             materialize_randomly(model, device, each_layer=quantize_layer_to_nf4)
             torch.cuda.empty_cache()
         else:
-            with torch.device(device):  # weights are created where they live: no CPU copy of a 16 GB model
+            with torch.device(device), _load_errors(source, None, config):  # weights made where they live
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype(dtype_name),
                                                          attn_implementation=attn)
     else:
-        from ..specs.sources import local_model
-
-        where = local_model(str(source), download=True)  # a Hub id not in the cache is downloaded here
-        kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
-                  "trust_remote_code": trust_remote_code, **where.from_pretrained_kwargs()}
-        if quantize == "nf4":
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16)
-            kwargs["device_map"] = {"": 0}
-        elif device != "cpu" and not _zero3_construction():
-            # each tensor is read straight onto the GPU: an 8B bf16 model (16 GB) is never whole in host RAM first.
-            # (ZeRO-3 partitions the parameters as they are made; transformers refuses a device_map with it.)
-            kwargs["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(where.folder, **kwargs)
-        if where.gguf_file:
-            _forget_gguf_quantization(model)
-        if where.gguf_file or where.hub_id:
-            # PEFT writes this as the adapter's base_model_name_or_path: the .gguf file or Hub id `model:` named,
-            # which build_model loads again, rather than the folder it was read from
-            model.name_or_path = model.config.name_or_path = str(source)
-        if quantize is None and "device_map" not in kwargs:
-            model.to(device)
+        model = _from_pretrained(source, dtype_name=dtype_name, attn=attn, device=device, quantize=quantize,
+                                 trust_remote_code=trust_remote_code)
     model.train()
+    return model
+
+
+def _refuse_pickle_weights(source: str, folder: str) -> None:
+    """Refuse a model folder whose weights are pickle files only (pytorch_model.bin, *.pt): unpickling runs code,
+    and torch's own refusal tells the user to turn its safety off (`weights_only=False`)."""
+    names = sorted(os.listdir(folder))
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    if pickles:
+        raise ConfigError(
+            f"model: {source}: its weights are pickle files only ({', '.join(pickles[:3])}); fitune loads "
+            "safetensors only (a pickle .bin can run code when it is read); convert it, if you trust the file, with "
+            "python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{folder}', use_safetensors=False).save_pretrained('{folder}')\" (writes "
+            "model.safetensors), or download the model's safetensors files")
+
+
+@contextlib.contextmanager
+def _load_errors(source: Any, folder: str | None, config: dict | None):
+    """Turn what transformers / safetensors raise while reading a model into one ConfigError naming the file (and
+    the config.json key) that caused it. Out-of-memory errors and fitune's own errors pass through as they are."""
+    from ..errors import FituneError
+
+    try:
+        yield
+    except (FituneError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError, SafetensorError...
+        raise ConfigError(_load_problem(str(source), folder, config, exc)) from exc
+
+
+def _load_problem(source: str, folder: str | None, config: dict | None, exc: Exception) -> str:
+    """What `_load_errors` says about `exc`: a damaged .safetensors file, weights whose shapes config.json does not
+    give, or a config.json value transformers refuses."""
+    from ..specs.sources import config_json_problem, short_error
+
+    detail = short_error(exc)
+    if folder is not None and type(exc).__name__ == "SafetensorError":
+        damaged = _damaged_safetensors(folder) or "its .safetensors files"
+        return (f"model: {source}: {damaged} is damaged or not a safetensors file ({detail}); download it again "
+                "or save the model again")
+    where = os.path.join(folder, "config.json") if folder else f"{source} (config)"
+    if folder is not None and "ignore_mismatched_sizes" in str(exc):
+        return (f"model: {source}: the weights' shapes are not those {where} gives (a size in it was changed: "
+                "hidden_size, head_dim, num_attention_heads, ...); restore the model's original config.json")
+    found = config_json_problem(folder if folder is not None else source, exc, config)
+    if found:
+        return f"model: {found}"
+    return f"model: {source}: transformers could not load the model from {where} ({detail}); check its files"
+
+
+def _damaged_safetensors(folder: str) -> str | None:
+    """The first .safetensors file of `folder` whose header safetensors cannot read."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt") as f:
+                    f.keys()
+            except Exception:  # noqa: BLE001 - any failure to read it is the damage reported
+                return os.path.join(folder, name)
+    return None
+
+
+def _from_pretrained(source: Any, *, dtype_name: str, attn: str, device: str, quantize: str | None,
+                     trust_remote_code: bool):
+    """`build_model` of pretrained weights: the folder, .gguf file or Hub id `source` names, read by transformers
+    (safetensors only; a folder of pickle weights is refused), its errors wrapped with the file they are about."""
+    from transformers import AutoModelForCausalLM
+
+    from ..specs.sources import local_model
+
+    where = local_model(str(source), download=True)  # a Hub id not in the cache is downloaded here
+    if not where.gguf_file:
+        _refuse_pickle_weights(str(source), where.folder)
+    if trust_remote_code:
+        from ..specs.sources import announce_remote_code
+
+        announce_remote_code(str(source), where.folder, log)
+    kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
+              "trust_remote_code": trust_remote_code, **where.from_pretrained_kwargs()}
+    if quantize == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": 0}
+    elif device != "cpu" and not _zero3_construction():
+        # each tensor is read straight onto the GPU: an 8B bf16 model (16 GB) is never whole in host RAM first.
+        # (ZeRO-3 partitions the parameters as they are made; transformers refuses a device_map with it.)
+        kwargs["device_map"] = {"": device}
+    with _load_errors(source, where.folder, None):
+        model = AutoModelForCausalLM.from_pretrained(where.folder, **kwargs)  # safetensors first when both
+    if where.gguf_file:
+        _forget_gguf_quantization(model)
+    if where.gguf_file or where.hub_id:
+        # PEFT writes this as the adapter's base_model_name_or_path: the .gguf file or Hub id `model:` named,
+        # which build_model loads again, rather than the folder it was read from
+        model.name_or_path = model.config.name_or_path = str(source)
+    if quantize is None and "device_map" not in kwargs:
+        model.to(device)
     return model
 
 

@@ -382,3 +382,104 @@ def local_model(source: str, *, download: bool = False, key: str = "model:") -> 
         return LocalModel(folder=folder, hub_id=source)
     raise ConfigError(f"{key} {source!r} is not a model folder, a .gguf file or a Hub id (org/name); point it at "
                       "one of those")
+
+
+# ---- code a model folder ships ---------------------------------------------------------------------------------
+
+#: The files of a model folder whose `auto_map` names the classes transformers imports from the folder's own .py
+#: files when trust_remote_code is true.
+AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def remote_code_files(folder: str) -> list[str]:
+    """The .py files of `folder` that transformers runs with trust_remote_code true: the modules the `auto_map` of
+    its config.json and tokenizer_config.json name ("modeling_x.XForCausalLM" -> modeling_x.py), in order, once
+    each. Entries of another repository ("org/repo--modeling_x.X") are named as they are written. Empty when no
+    auto_map (transformers then builds its own classes and runs no code of the folder)."""
+    import json
+
+    files: list[str] = []
+    for name in AUTO_MAP_FILES:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                auto_map = json.load(f).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable or damaged: the loader names the file when it reads it
+        if not isinstance(auto_map, dict):
+            continue
+        for value in auto_map.values():
+            for ref in value if isinstance(value, list) else [value]:
+                if isinstance(ref, str) and "." in ref:
+                    module = ref.rsplit(".", 1)[0]
+                    shown = module.replace("--", ":") + ".py" if "--" in module else module + ".py"
+                    if shown not in files:
+                        files.append(shown)
+    return files
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_remote_code(source: str, folder: str, log) -> None:
+    """Log, once per folder and before anything loads, which .py files of `folder` trust_remote_code will run."""
+    files = remote_code_files(folder)
+    key = os.path.abspath(folder)
+    if files and key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        log.warning("running code from %s: %s (trust_remote_code: true)", source, ", ".join(files))
+
+
+# ---- what transformers says about a config.json ----------------------------------------------------------------
+
+#: Words transformers' errors use for a config.json key they do not name.
+_CONFIG_KEY_ALIASES = {"padding_idx": "pad_token_id"}
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    """"TypeName: message" of an exception, cut to `limit` characters, on one line."""
+    text = " ".join(str(exc).split())
+    detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return detail if len(detail) <= limit else detail[: limit - 3] + "..."
+
+
+def config_json_problem(folder: str, exc: BaseException, config: dict | None = None) -> str | None:
+    """"FOLDER/config.json: transformers refuses KEY: VALUE (its error); ..." when `exc` (raised by transformers
+    reading the folder's model or tokenizer) is about keys of config.json (`config`, else the folder's file); None
+    when no key can be told."""
+    if config is None:
+        config = _read_json_object(os.path.join(folder, "config.json")) if os.path.isdir(folder) else None
+    named = _config_keys_in(config or {}, exc)
+    if not named:
+        return None
+    where = os.path.join(folder, "config.json") if os.path.isdir(folder) else f"{folder} (config)"
+    shown = ", ".join(f"{k}: {config[k]!r}" for k in named)
+    return f"{where}: transformers refuses {shown} ({short_error(exc)}); fix the value (compare the model's " \
+           "original config.json)"
+
+
+def _read_json_object(path: str) -> dict | None:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _config_keys_in(config: dict, exc: BaseException) -> list[str]:
+    """The config.json keys `exc` is about: those its message names (or names by another word: padding_idx), else
+    (a KeyError of a lookup table, like ACT2FN["bogus"]) those whose value is the missing key."""
+    text = str(exc)
+    for word, key in _CONFIG_KEY_ALIASES.items():
+        if word.lower() in text.lower():
+            text += f" {key}"
+    named = [k for k in config if isinstance(k, str) and len(k) > 3 and re.search(rf"\b{re.escape(k)}\b", text)]
+    if named:
+        return named[:3]
+    if isinstance(exc, KeyError) and exc.args:
+        missing = exc.args[0]
+        return [k for k, v in config.items()
+                if v == missing or isinstance(v, dict) and missing in v.values()][:3]
+    return []
