@@ -138,6 +138,7 @@ def run(args) -> dict:
         state["plan_changes"] = final_a["plan_changes"]  # started with the re-planned setup, not re-planning
         with open(state_file, "w") as f:
             json.dump(state, f)
+        checkpoint.reseal(start)  # the edit above is on purpose: its manifest follows it
         t0 = time.perf_counter()
         train(config_from_dict({**base, "output_dir": b_dir}, "oom_guard B"), resume=True, progress=False)
         b = _step_lines(b_dir)

@@ -49,6 +49,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key (dotted for nested: lora.rank=16, data.path=x.jsonl); values are YAML")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics.jsonl is still written)")
+    p.add_argument("--allow-changed", action="store_true",
+                   help="with --resume: continue even if the base model's weights or the training data changed since "
+                        "the run started (said when it happens)")
     p.add_argument("--translate", action="store_true",
                    help="CONFIG is another trainer's (Axolotl, HF Trainer / TRL, PEFT, torchtune): print it as a fitune "
                         "config, with what could not be carried over as comments, and exit (> run.yaml to keep it)")
@@ -136,7 +139,8 @@ def run(args) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"  # one of several ranks (fitune/parallel/launch.py): rank 0 reports
     if rank0:
         logging.getLogger("fitune").setLevel(logging.INFO)
-    result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite,
+                   allow_changed=args.allow_changed)
     if not rank0:
         return 0
     print_result(result)

@@ -8,6 +8,7 @@
         rng-00001.safetensors      torch's CPU (and CUDA) generator states
         rng.json                   Python's and NumPy's generator states (integers)
         trainer_state.json         format, run id, step, data position, the OOM guard's re-plans, the config in effect
+        manifest.json              written last: every other file's size and SHA-256 (`verify` checks them on resume)
 
 A checkpoint holds what an uninterrupted run would still have in memory, so `--resume` reproduces its losses.
 Nothing is unpickled on load (`torch.load` can run code hidden in a crafted file): tensors come from safetensors,
@@ -20,10 +21,13 @@ Which config changes `--resume` applies and which it refuses: `RESUME_APPLIES`, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import random
+import re
+import stat
 
 from ..errors import ConfigError, FituneError
 from ..units import GiB
@@ -58,10 +62,10 @@ def list_checkpoints(root: str, run_id: str | None = None) -> list[tuple[int, st
     found = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if not name.startswith("step-") or name.endswith(".tmp") or os.path.islink(path):
+        if not STEP_NAME.fullmatch(name) or os.path.islink(path):  # not .tmp, .damaged, .run-<id> set aside
             continue
         state = _read_json(os.path.join(path, "trainer_state.json"))
-        if state is None or not isinstance(state.get("step"), int):
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
             continue
         if run_id is not None and state.get("run_id") != run_id:
             continue
@@ -76,17 +80,172 @@ def latest(root: str, run_id: str | None = None) -> str | None:
 
 
 def read_state(path: str) -> dict:
-    """trainer_state.json of a checkpoint, refused when it is not this format."""
-    state = _read_json(os.path.join(path, "trainer_state.json"))
+    """trainer_state.json of a checkpoint, refused when it is not this format or a key is missing or of a wrong
+    type (a crafted file stops with its name and the key, never a traceback later)."""
+    file = os.path.join(path, "trainer_state.json")
+    state = _read_json(file)
     if state is None:
-        raise CheckpointError(f"{path}/trainer_state.json is missing or not JSON; resume from another checkpoint "
+        raise CheckpointError(f"{file} is missing, not a regular file, or not JSON; resume from another checkpoint "
                               "(delete this folder) or start a new run with --overwrite")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds a {type(state).__name__}, not an object; resume from another "
+                              "checkpoint (delete this folder) or start a new run with --overwrite")
     if state.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} is in format {state.get('format', 1)!r} (fitune reads format {FORMAT}: safetensors + "
             "JSON); older checkpoints were pickles, which fitune no longer loads because a crafted one runs code: "
             "finish that run with the fitune that wrote it, or start a new run with --overwrite")
+    problem = _state_problem(state)
+    if problem:
+        raise CheckpointError(f"{file}: {problem}; resume from another checkpoint (delete this folder) or start a "
+                              "new run with --overwrite")
     return state
+
+
+MAX_STEP = 2**53
+"""Largest step a checkpoint may name (beyond it a crafted number, not a run's step)."""
+
+
+def _state_problem(state: dict) -> str | None:
+    """What is wrong with a trainer_state.json's keys, naming the key; None when every key resume reads is sound."""
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        return f"key 'step' is {_show_short(step)}, not a step number (0 to {MAX_STEP})"
+    if not isinstance(state.get("run_id"), str):
+        return f"key 'run_id' is {_show_short(state.get('run_id'))}, not a run id"
+    if not isinstance(state.get("data"), dict):
+        return f"key 'data' is {_show_short(state.get('data'))}, not the data position (an object)"
+    if not isinstance(state.get("config", {}), dict):
+        return f"key 'config' is {_show_short(state.get('config'))}, not an object"
+    changes = state.get("plan_changes", [])
+    if not isinstance(changes, list):
+        return f"key 'plan_changes' is {_show_short(changes)}, not a list"
+    for i, change in enumerate(changes):
+        size = change.get("micro_batch_size") if isinstance(change, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 2**31 or \
+                not isinstance(change.get("grad_checkpointing"), bool):
+            return (f"key 'plan_changes[{i}]' is {_show_short(change)}, not "
+                    "{micro_batch_size: N, grad_checkpointing: B}")
+    return None
+
+
+def _show_short(value) -> str:
+    text = "missing" if value is None else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- verify: a manifest of every file, checked before a resume trusts a checkpoint --------------------------
+
+MANIFEST = "manifest.json"
+STEP_NAME = re.compile(r"step-(\d{6,})")
+
+
+def _sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(_open_regular(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest_of(folder: str) -> dict:
+    """{relative path: {size_bytes, sha256}} of every file under `folder` (FSDP2's shard subfolders included)."""
+    files = {}
+    for dirpath, _, filenames in os.walk(folder):
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, folder)
+            if rel != MANIFEST:
+                files[rel] = {"size_bytes": os.lstat(full).st_size, "sha256": _sha256_of(full)}
+    return {"files": files}
+
+
+def reseal(path: str) -> None:
+    """Rewrite the manifest of a checkpoint edited on purpose (a benchmark that changes its `plan_changes`): after
+    this, `verify` vouches for the edited files. Never called by a run."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)
+    _write_json(manifest, _manifest_of(path))
+
+
+def verify(path: str, contents: bool = True) -> str | None:
+    """Why the checkpoint folder `path` cannot be trusted ("FILE: reason"), or None when it can.
+
+    Every entry must be a regular file or folder (no link, FIFO or device, whatever it points to), and every file
+    the manifest lists must have its size and SHA-256. A checkpoint without a manifest (an earlier fitune's) is
+    accepted after the link check, with a note: its contents cannot be checked. `contents=False` checks links and
+    sizes only (no file is read but the manifest)."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            mode = os.lstat(os.path.join(dirpath, name)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+                return f"{os.path.relpath(os.path.join(dirpath, name), path)}: {kind}"
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        log.warning("checkpoint %s has no %s (written by an earlier fitune): its files are not verified", path,
+                    MANIFEST)
+        return None
+    manifest = _read_json(os.path.join(path, MANIFEST))
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{MANIFEST}: not a manifest"
+    for rel, want in sorted(files.items()):
+        problem = _file_problem(path, rel, want, contents)
+        if problem:
+            return f"{rel}: {problem}"
+    return None
+
+
+def _file_problem(path: str, rel: str, want, contents: bool = True) -> str | None:
+    if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/") or not isinstance(want, dict):
+        return "a manifest entry that is not a file of this folder"
+    full = os.path.join(path, rel)
+    try:
+        size = os.lstat(full).st_size
+        if size != want.get("size_bytes"):
+            return f"{size} bytes, the manifest says {want.get('size_bytes')}"
+        if contents and _sha256_of(full) != want.get("sha256"):
+            return "its SHA-256 differs from the manifest's (the contents changed)"
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, CheckpointError) as exc:
+        return str(exc)
+    return None
+
+
+def newest_verified(root: str, run_id: str) -> tuple[str | None, dict, list[str]]:
+    """The newest checkpoint of run `run_id` that verifies, its trainer_state.json, and one sentence per newer
+    checkpoint passed over ("checkpoint step-N is damaged (FILE: reason)"); (None, {}, []) when the run has none.
+
+    Raises:
+        CheckpointError: none verifies; the message lists each one and why.
+    """
+    folder = os.path.join(root, CHECKPOINTS)
+    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else [])
+             if STEP_NAME.fullmatch(n)]
+    skipped = []
+    for name in sorted(names, key=lambda n: int(n[5:]), reverse=True):
+        path = os.path.join(folder, name)
+        peek = _read_json(os.path.join(path, "trainer_state.json"))
+        if isinstance(peek, dict) and peek.get("format") != FORMAT and peek.get("run_id") in (run_id, None):
+            read_state(path)  # another format (an earlier fitune's pickles): refused by name, never passed over
+        problem = verify(path)
+        state = None
+        if problem is None:
+            try:
+                state = read_state(path)
+            except CheckpointError as exc:
+                problem = str(exc)
+        if state is not None and state["run_id"] != run_id:
+            continue  # another run's checkpoint: not this run's to resume (and never deleted)
+        if problem is None:
+            return path, state, skipped
+        skipped.append(f"checkpoint {name} is damaged ({problem})")
+    if not skipped:
+        return None, {}, []
+    raise CheckpointError(f"--resume: no checkpoint of run {run_id} in {root} can be trusted: {'; '.join(skipped)}; "
+                          "start a new run with --overwrite")
 
 
 # ---- save ------------------------------------------------------------------------------------------------
@@ -104,10 +263,15 @@ def save(folder: RunFolder, step: int, model, optimizer, scheduler, stream_state
     parent = folder.real_dir(CHECKPOINTS)
     final = folder.inside(CHECKPOINTS, f"step-{step:06d}")
     if os.path.isdir(final):
-        state = _read_json(os.path.join(final, "trainer_state.json")) or {}
-        if state.get("run_id") == folder.run_id and state.get("step") == step:
+        state = _read_json(os.path.join(final, "trainer_state.json"))
+        state = state if isinstance(state, dict) else {}
+        damaged = verify(final, contents=False)  # sizes and links only: a full re-hash here would cost a read
+        if state.get("run_id") == folder.run_id and state.get("step") == step and damaged is None:
             return final
-        aside = folder.inside(CHECKPOINTS, f"step-{step:06d}.run-{state.get('run_id', 'unknown')}")
+        tag = "damaged" if state.get("run_id") == folder.run_id else f"run-{state.get('run_id', 'unknown')}"
+        aside = folder.inside(CHECKPOINTS, f"step-{step:06d}.{tag}")
+        if tag == "damaged":
+            folder.remove_tree(aside)  # this run's own damaged copy of a step it has just trained again
         os.replace(final, aside)  # another run's folder: moved out of the way, never deleted
         log.warning("moved %s (of run %s) to %s", final, state.get("run_id"), aside)
     tmp = folder.fresh_dir(CHECKPOINTS, f"step-{step:06d}")
@@ -122,6 +286,7 @@ def save(folder: RunFolder, step: int, model, optimizer, scheduler, stream_state
         _write_tree(tmp, "rng", _rng_state())
         _write_json(os.path.join(tmp, "trainer_state.json"),
                     {"format": FORMAT, "run_id": folder.run_id, "step": step, "data": stream_state, **extra})
+        _write_json(os.path.join(tmp, MANIFEST), _manifest_of(tmp))  # last: it vouches for everything above
 
         _before_publish(tmp)
         fsync_tree(tmp)  # the contents are on disk before the name says "complete"
@@ -415,11 +580,33 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
 
 
-def _read_json(path: str):
+MAX_JSON_BYTES = 1 << 30
+"""Largest checkpoint JSON read (optimizer.json of a large full fine-tune is tens of MiB): a bound, not a size."""
+
+
+def _open_regular(path: str, max_bytes: int | None = None) -> int:
+    """A read-only fd of `path`, refused (CheckpointError) unless it is a regular file (no link, FIFO or device: a
+    FIFO would block the read and /dev/zero never end it) of at most `max_bytes`."""
     try:
-        with open(path, encoding="utf-8") as f:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise CheckpointError(f"{path} is not a regular file (a link, FIFO or device); fitune reads only regular "
+                                  "files in a checkpoint")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file of at most {max_bytes} bytes")
+    return fd
+
+
+def _read_json(path: str):
+    """The JSON in `path`, or None when it is missing, not a regular file, too large, or not JSON."""
+    try:
+        with open(_open_regular(path, MAX_JSON_BYTES), encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError, RecursionError):
         return None
 
 

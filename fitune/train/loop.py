@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
-from . import checkpoint, outdir
+from . import checkpoint, identity, outdir
 from .config import TrainConfig
 from .progress import progress_bar
 
@@ -63,7 +63,7 @@ class TrainingInterrupted(FituneError):
 
 
 def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = True,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, allow_changed: bool = False) -> TrainResult:
     """Run the training `cfg` describes, in an output_dir this run holds (locked) until it returns.
 
     Args:
@@ -71,6 +71,8 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             that checkpoint is applied or refused by name (`checkpoint.RESUME_APPLIES`).
         fault: `fault(step, micro_index)` may raise to inject failures (tests).
         overwrite: a fresh run in a used output_dir first moves the old contents to `output_dir.old-<time>`.
+        allow_changed: resume although the base weights or the data files changed since the run started (said);
+            without it such a resume is refused by name (identity.py).
 
     Raises:
         OutputDirError, ConfigError, CheckpointError: exit 2, the message says what to do.
@@ -88,10 +90,13 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
     folder = None
     try:
         # [parallel] rank 0 alone opens (locks) output_dir and writes in it; the other ranks follow it
-        folder = ranks.share_folder(outdir.open_run(cfg.output_dir, cfg.to_dict(), resume=resume, overwrite=overwrite)
-                                    if main else None)
+        now = identity.fingerprint(cfg.model, cfg.data.path) if main else None  # hashes of weights and data
+        folder = ranks.share_folder(outdir.open_run(cfg.output_dir, cfg.to_dict(), resume=resume, overwrite=overwrite,
+                                                    identity=now) if main else None)
         if main:
             checkpoint.remove_partial(folder)  # .tmp folders of a write cut short: never complete, never resumed
+            for note in identity.check(folder.identity, now, allow_changed) if resume else []:
+                print(f"fitune: {note}", file=sys.stderr)
         resume_from = ranks.broadcast(_resume_point(cfg, folder) if resume and main else None)
         return _train(cfg, folder, resume_from, fault, progress)
     except BaseException:
@@ -110,11 +115,12 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
 
 def _resume_point(cfg: TrainConfig, folder: outdir.RunFolder) -> str:
     """The run's newest complete checkpoint, once every config change since it is applied or refused."""
-    path = checkpoint.latest(folder.root, folder.run_id)
+    path, state, skipped = checkpoint.newest_verified(folder.root, folder.run_id)  # links, sizes, SHA-256
     if path is None:
         raise FituneError(f"--resume: run {folder.run_id} in {cfg.output_dir} has no complete checkpoint yet; "
                           "start it again with --overwrite")
-    state = checkpoint.read_state(path)
+    if skipped:  # said aloud: resuming from an older step than the newest folder trains those steps again
+        print(f"fitune: --resume: {'; '.join(skipped)}; resuming from {os.path.basename(path)}", file=sys.stderr)
     if cfg.max_steps is not None and cfg.max_steps < state["step"]:
         raise FituneError(f"--resume: max_steps {cfg.max_steps} is below the checkpoint's step {state['step']} "
                           f"({path}); give max_steps >= {state['step']} to continue, or start a new run with "

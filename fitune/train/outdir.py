@@ -2,6 +2,7 @@
 
     output_dir/
         fitune.lock               the pid of the run holding the folder (flock-ed while it runs, removed at its end)
+                                  (output_dir itself is flock-ed too: deleting this file lets no second run in)
         run.json                  this run's id, start time and the config it started with
         metrics.jsonl             one line per step (and per evaluation)
         checkpoints/step-000010/  this run's resumable checkpoints (checkpoint.py)
@@ -24,6 +25,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ class RunFolder:
     root: str
     run_id: str
     _lock_fd: int | None = None
+    identity: dict | None = None
+    """run.json's "identity" (hashes of the base weights and the data, identity.py); None for an earlier run."""
 
     # ---- paths that stay inside ----------------------------------------------------------------------------
 
@@ -121,7 +125,10 @@ class RunFolder:
     def open_metrics(self, through_step: int):
         """metrics.jsonl for appending, first dropping lines of steps after `through_step` (a run killed after its
         last checkpoint logged steps the resumed run takes again)."""
-        path = self.inside(METRICS_FILE)
+        path = self.inside(METRICS_FILE)  # a link is refused here, whatever it points to (/dev/zero, ~/.bashrc)
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open
+            raise OutputDirError(f"{path} is not a regular file (a FIFO or device); fitune appends only to a regular "
+                                 "metrics.jsonl: remove it, or choose another output_dir")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 lines = f.readlines()
@@ -130,7 +137,8 @@ class RunFolder:
                 log.info("metrics.jsonl: dropped %d lines of steps after %d (they are trained again)",
                          len(lines) - len(kept), through_step)
                 write_file_atomic(self, METRICS_FILE, "".join(kept))
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        os.set_blocking(fd, True)  # O_NONBLOCK only so that a FIFO swapped in just now fails the open, not hangs it
         return MetricsFile(os.fdopen(fd, "a", encoding="utf-8"), path)
 
     # ---- the lock -----------------------------------------------------------------------------------------
@@ -222,13 +230,16 @@ def write_failed_message(path: str, exc: BaseException, newest: str | None = "")
     return f"could not write {path}: {cause}. {kept}: {fix}"
 
 
-def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: bool = False) -> RunFolder:
+def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: bool = False,
+             identity: dict | None = None) -> RunFolder:
     """Take `output_dir` for one run: lock it, check it holds this run (or nothing), refuse links inside it.
 
     Args:
         config: the run's config (TrainConfig.to_dict()), recorded in run.json for a fresh run.
         resume: continue the run in the folder (its run.json must be there).
         overwrite: a fresh run in a used folder moves the old contents to `output_dir.old-<time>` first.
+        identity: hashes of the base weights and the data (identity.fingerprint), recorded in run.json for a fresh
+            run; a resumed run's recorded ones are in `RunFolder.identity`.
 
     Raises:
         OutputDirError: in use by a live run (names its pid), holds another run without --resume / --overwrite,
@@ -246,9 +257,10 @@ def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: boo
     lock_fd = _acquire_lock(root)
     try:
         folder = RunFolder(root, "", lock_fd)
+        _remove_leftover_tmp_files(root)  # a crash's run.json.tmp must not read as "a run is here" nor as "none"
         contents = sorted(set(os.listdir(root)) - {LOCK_FILE})
         if resume:
-            folder.run_id = _read_run_id(folder, output_dir)
+            folder.run_id, folder.identity = _read_run_id(folder, output_dir)
         elif contents:
             if not overwrite:
                 raise OutputDirError(_used_folder_message(output_dir, root, contents))
@@ -262,7 +274,8 @@ def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: boo
         if not resume:
             folder.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
             write_file_atomic(folder, RUN_FILE, json.dumps(
-                {"run_id": folder.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config},
+                {"run_id": folder.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
+                 "identity": identity},
                 indent=2) + "\n", newest=None)
         return folder
     except BaseException:
@@ -271,10 +284,24 @@ def open_run(output_dir: str, config: dict, resume: bool = False, overwrite: boo
         raise
 
 
+LEFTOVER_TMP_FILES = (RUN_FILE + ".tmp", METRICS_FILE + ".tmp")
+"""Files `write_file_atomic` leaves when a crash cuts a write short: never complete, so removed at every start
+(the lock says nobody writes them now)."""
+
+
+def _remove_leftover_tmp_files(root: str) -> None:
+    for name in LEFTOVER_TMP_FILES:
+        path = os.path.join(root, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            log.info("removing %s: a write cut short by a crash", path)
+            os.unlink(path)  # a link itself, never its target
+
+
 # ---- identity ---------------------------------------------------------------------------------------------
 
 
-def _read_run_id(folder: RunFolder, output_dir: str) -> str:
+def _read_run_id(folder: RunFolder, output_dir: str) -> tuple[str, dict | None]:
+    """run.json's run_id and identity (None when an earlier fitune wrote it without one)."""
     path = folder.inside(RUN_FILE)
     if not os.path.isfile(path) and not _listdir(os.path.join(folder.root, "checkpoints")):
         raise OutputDirError(f"--resume: {output_dir} holds no run to continue; start without --resume")
@@ -282,14 +309,18 @@ def _read_run_id(folder: RunFolder, output_dir: str) -> str:
         raise OutputDirError(
             f"--resume: {output_dir} has no {RUN_FILE}, so it holds no run of this fitune version (an older fitune "
             "wrote pickle checkpoints, which are not loaded: they can run code); start a new run with --overwrite")
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OutputDirError(f"--resume: {path} is not a regular file; start a new run with --overwrite")
     try:
-        with open(path, encoding="utf-8") as f:
-            run_id = json.load(f)["run_id"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise OutputDirError(f"--resume: {path} is not a fitune run file ({exc}); start a new run with --overwrite")
+        with open(os.open(path, os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK), encoding="utf-8") as f:
+            doc = json.loads(f.read(64 * 1024 * 1024))
+        run_id = doc["run_id"]
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise OutputDirError(f"--resume: {path} is not a fitune run file ({exc!r}); start a new run with --overwrite")
     if not isinstance(run_id, str) or not run_id:
         raise OutputDirError(f"--resume: {path} has no run_id; start a new run with --overwrite")
-    return run_id
+    identity = doc.get("identity")
+    return run_id, identity if isinstance(identity, dict) else None
 
 
 def _used_folder_message(output_dir: str, root: str, contents: list[str]) -> str:
@@ -418,13 +449,91 @@ def _line_step(line: str) -> int:
 
 
 def _acquire_lock(root: str) -> int | None:
-    """flock `root/fitune.lock` (released by the kernel when the process dies, so a stale file is simply taken
-    over) and write our pid into it for the message a second run gets."""
+    """flock output_dir itself and `root/fitune.lock` (both released by the kernel when the process dies, so a
+    stale file is simply taken over); fitune.lock carries our pid for the message a second run gets."""
     try:
-        import fcntl
+        import fcntl  # noqa: F401
     except ImportError:  # pragma: no cover - Windows: no advisory locks; one run per folder is on the user
         log.warning("no file locking on this platform: do not start two runs in %s", root)
         return None
+    dir_fd = _lock_dir(root)
+    try:
+        fd = _lock_file(root)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    if fd is not None:
+        _DIR_LOCKS[fd] = dir_fd
+    return fd
+
+
+_DIR_LOCKS: dict[int, int] = {}
+"""fd of a held fitune.lock -> fd of its output_dir, flock-ed too: deleting fitune.lock cannot let a second run in."""
+
+
+def _lock_dir(root: str) -> int:
+    """flock output_dir's own inode: unlike fitune.lock it cannot be deleted while the run holds it."""
+    import fcntl
+
+    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid = _flock_holder_pid(os.fstat(fd))
+        os.close(fd)
+        holder = _holder_from_file(root)
+        if pid is not None and holder.get("pid") != pid:
+            holder = {"pid": pid}  # fitune.lock was deleted or replaced: the kernel still knows who holds the folder
+        raise OutputDirError(_in_use_message(root, holder)) from None
+    return fd
+
+
+def _flock_holder_pid(st: os.stat_result) -> int | None:
+    """The pid holding a flock on the file `st` describes, from /proc/locks (Linux); None where unknown."""
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want and fields[4].isdigit():
+                    return int(fields[4])
+    except OSError:
+        pass
+    return None
+
+
+def _holder_from_file(root: str) -> dict:
+    path = os.path.join(root, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        holder = _read_holder(fd)
+        for _ in range(200):  # the holder writes its pid just after taking the lock: wait for it (<= 1 s)
+            if holder.get("pid"):
+                break
+            time.sleep(0.005)
+            holder = _read_holder(fd)
+        return holder
+    finally:
+        os.close(fd)
+
+
+def _in_use_message(root: str, holder: dict) -> str:
+    who = "another process"
+    if holder.get("pid"):
+        who = f"pid {holder.get('pid')}"
+        if holder.get("host"):
+            who += f" on {holder.get('host')}, started {holder.get('started')}"
+    return (f"output_dir {root} is in use by another fitune run ({who}); one run per output_dir: wait for it to "
+            "finish or stop it, or choose another output_dir")
+
+
+def _lock_file(root: str) -> int | None:
+    """flock `root/fitune.lock` and write our pid into it for the message a second run gets."""
+    import fcntl
+
     path = os.path.join(root, LOCK_FILE)
     for _ in range(5):
         try:
@@ -435,17 +544,8 @@ def _acquire_lock(root: str) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _read_holder(fd)
-            for _ in range(200):  # the holder writes its pid just after taking the lock: wait for it (<= 1 s)
-                if holder.get("pid"):
-                    break
-                time.sleep(0.005)
-                holder = _read_holder(fd)
             os.close(fd)
-            who = f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder \
-                else "another process"
-            raise OutputDirError(f"output_dir {root} is in use by another fitune run ({who}); one run per output_dir: "
-                                 "wait for it to finish or stop it, or choose another output_dir") from None
+            raise OutputDirError(_in_use_message(root, _holder_from_file(root))) from None
         try:
             same_file = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
@@ -482,3 +582,6 @@ def _release_lock(root: str, fd: int | None) -> None:
     except OSError:
         pass
     os.close(fd)
+    dir_fd = _DIR_LOCKS.pop(fd, None)
+    if dir_fd is not None:
+        os.close(dir_fd)  # the folder's lock goes last: nobody gets in between the two
