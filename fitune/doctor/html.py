@@ -38,12 +38,11 @@ def script_page(report, doc: dict) -> str:
 
 def write_script_page(path: str, report, doc: dict) -> str:
     """Write the page to `path`, replacing the file whole (a browser reloading it never sees half a page)."""
+    from ..files import write_text_atomic
+
     text = script_page(report, doc)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text, what="--html")  # a fresh temp file in the folder, never a link or a device
     return path
 
 
