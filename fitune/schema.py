@@ -22,6 +22,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -33,6 +34,8 @@ MAX_CONFIG_DEPTH = 8
 MAX_CONFIG_BYTES = 1 << 20
 #: How many values (keys' values and list items, at every depth) a config may hold.
 MAX_CONFIG_VALUES = 100_000
+#: The most digits `selective:K` may give K (no model has a million layers).
+MAX_LAYER_DIGITS = 6
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,38 @@ def _describe(value: Any) -> str:
         return f"a list ({len(value)} items)"
     if isinstance(value, dict):
         return "a mapping"
-    return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return show_int(value)
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+#: Integers with more digits than this are described by their length, not written out.
+SHOWN_INT_DIGITS = 30
+
+
+def int_digits(n: int) -> int:
+    """The number of decimal digits of `n` (without its sign), computed without str() (which refuses integers over
+    sys.get_int_max_str_digits() digits, 4,300 by default)."""
+    n = abs(n)
+    if n < 10 ** 18:
+        return len(str(n))
+    digits = int(n.bit_length() * 0.30102999566398120)  # log10(2): exact or one short
+    return digits + 1 if n >= 10 ** digits else digits
+
+
+def show_int(n: int) -> str:
+    """`n` as text, or "a number of 5,000 digits" when it is too long to show (or to convert at all)."""
+    digits = int_digits(n)
+    if digits <= SHOWN_INT_DIGITS:
+        return str(n)
+    return f"a{' negative' if n < 0 else ''} number of {digits:,} digits"
+
+
+def too_many_digits(digits: int) -> str:
+    """The problem of an integer written with more digits than Python converts."""
+    return (f"a number of {digits:,} digits: more than Python reads ({sys.get_int_max_str_digits():,} digits at "
+            "most), and far more than any fitune setting takes")
 
 
 def coerce(k: Key, value: Any, origin: str, problems: Problems) -> Any:
@@ -214,22 +248,42 @@ def coerce(k: Key, value: Any, origin: str, problems: Problems) -> Any:
 _BAD = object()
 
 
+_INT_TEXT = re.compile(r"[-+]?[0-9]+")
+
+
+def _number_from_text(text: str) -> int | float | str:
+    """The number `text` spells (`16`, `2e-4`, `1_000`), or a problem (a str starting "must be" / "a number of")."""
+    text = text.strip().replace("_", "")
+    if _INT_TEXT.fullmatch(text):
+        digits = len(text.lstrip("+-"))
+        if digits > sys.get_int_max_str_digits():
+            return too_many_digits(digits)
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return "must be a number"
+
+
 def _number(k: Key, value: Any, name: str, problems: Problems) -> Any:
     number: Any = value
     if isinstance(value, bool):
         problems.add(f"{name} must be a number, got {value!r}")
         return _BAD
     if isinstance(value, str):
-        try:
-            number = float(value.strip().replace("_", ""))
-        except ValueError:
-            problems.add(f"{name} must be a number, got {_describe(value)}")
+        number = _number_from_text(value)
+        if isinstance(number, str):
+            problems.add(f"{name} must be a number, got {_describe(value)}" if number == "must be a number" else
+                         f"{name} is {number}")
             return _BAD
     if not isinstance(number, (int, float)):
         problems.add(f"{name} must be a number, got {_describe(value)}")
         return _BAD
     if isinstance(number, float) and not math.isfinite(number):
-        problems.add(f"{name} must be a finite number, got {value!r}")
+        problems.add(f"{name} must be a finite number, got {_describe(value)}")
+        return _BAD
+    if isinstance(number, int) and k.kind == "float" and number.bit_length() > 1000:  # float() would overflow
+        problems.add(f"{name} must be a number a float holds (below 1e300), got {show_int(number)}")
         return _BAD
     if k.kind == "int":
         if isinstance(number, float):
@@ -247,12 +301,22 @@ def _number(k: Key, value: Any, name: str, problems: Problems) -> Any:
             bound = "a whole number >= 0"
         else:
             bound = f"above {low:g}" if k.exclusive_minimum else f"at least {low:g}"
-        problems.add(f"{name} must be {bound}, got {number:g}" + _range_hint(k))
+        problems.add(f"{name} must be {bound}, got {_show_number(number)}" + _range_hint(k))
         return _BAD
     if high is not None and number > high:
-        problems.add(f"{name} must be at most {high:g}, got {number:g}" + _range_hint(k))
+        problems.add(f"{name} must be at most {_show_number(high)}, got {_show_number(number)}" + _range_hint(k))
+        return _BAD
+    if k.kind == "int" and high is None and number.bit_length() > 63:  # an int64 everywhere downstream
+        problems.add(f"{name} must be below 2**63, got {_show_number(number)}" + _range_hint(k))
         return _BAD
     return number
+
+
+def _show_number(number: int | float) -> str:
+    """16777216, 0.9, 2e-05, or "a number of 400 digits": never 1.67772e+07 for a whole number."""
+    if isinstance(number, float) and number.is_integer() and abs(number) < 1e15:
+        number = int(number)
+    return show_int(number) if isinstance(number, int) else f"{number:g}"
 
 
 def _range_hint(k: Key) -> str:
@@ -272,7 +336,17 @@ def _choice(k: Key, value: Any, name: str, problems: Problems) -> Any:
     if low in k.choices:
         return low
     if k.kind == "checkpointing" and low.startswith("selective:"):
-        return low
+        k_text = low.split(":", 1)[1].strip()
+        if not (k_text.isascii() and k_text.isdigit()):
+            problems.add(f"{name} {_describe(text)}: write selective:K with K a whole number of layers, e.g. "
+                         "selective:16")
+            return _BAD
+        if len(k_text.lstrip("0")) > MAX_LAYER_DIGITS:
+            problems.add(f"{name} selective:K with K a number of {len(k_text):,} digits: K is how many layers to "
+                         f"checkpoint (at most {MAX_LAYER_DIGITS} digits; a model has tens of layers), e.g. "
+                         "selective:16")
+            return _BAD
+        return f"selective:{int(k_text)}"
     close = closest_of_same_width(low, list(k.choices) + list(aliases))
     width = _bit_width(low)
     same = f" (the same {width}-bit precision)" if width else ""
@@ -541,7 +615,7 @@ def load_config_file(path: str) -> dict:
         import json
 
         try:
-            doc = json.loads(text, parse_constant=_no_constant(path))
+            doc = json.loads(text, parse_constant=_no_constant(path), parse_int=_json_int(path))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
         except RecursionError as exc:
@@ -556,7 +630,10 @@ def load_config_file(path: str) -> dict:
 
 def parse_yaml_value(text: str, source: str) -> Any:
     """One YAML value typed on the command line (`--set lora.rank=16`), read as a config file's value is."""
-    return _load_yaml(text, source)
+    source = source if len(source) <= 100 else source[:97] + "..."  # `--set seed=<5,000 digits>`
+    value = _load_yaml(text, source)
+    _check_depth(value, source)
+    return value
 
 
 def decode_text(raw: bytes, path: str) -> str:
@@ -574,6 +651,17 @@ def decode_text(raw: bytes, path: str) -> str:
                           "UTF-8") from exc
 
 
+def _json_int(path: str):
+    """json's `parse_int`: int(), with a ConfigError for more digits than Python converts (instead of ValueError)."""
+    def parse(text: str) -> int:
+        digits = len(text.lstrip("-"))
+        if digits > sys.get_int_max_str_digits():
+            raise ConfigError(f"{path}: {too_many_digits(digits)}")
+        return int(text)
+
+    return parse
+
+
 def _no_constant(path: str):
     def reject(name: str):
         raise ConfigError(f"{path}: {name} is not a number a config can hold")
@@ -588,6 +676,8 @@ def _load_yaml(text: str, path: str) -> Any:
         raise ConfigError("reading a YAML config needs PyYAML: pip install pyyaml") from exc
     try:
         return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
+    except _BadValue as exc:
+        raise ConfigError(f"{path}: {exc.text()}") from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
@@ -596,12 +686,72 @@ def _load_yaml(text: str, path: str) -> Any:
         raise ConfigError(f"{path}: nested too deeply to be a fitune config") from exc
 
 
+class _BadValue(ConfigError):
+    """A YAML value its tag's constructor cannot build (`lr: !!int abc`, `seed: !!bool 0`, a 5,000-digit integer,
+    an unknown tag `!foo`): where it is (line and, once known, the dotted key) and why."""
+
+    def __init__(self, line: int, problem: str):
+        super().__init__(problem)
+        self.line = line
+        self.problem = problem
+        self.keys: list[str] = []
+
+    def text(self) -> str:
+        where = f"{'.'.join(self.keys)}: " if self.keys else ""
+        return f"line {self.line}: {where}{self.problem}"
+
+
+_YAML_TAG = "tag:yaml.org,2002:"
+#: What the YAML tags of the core schema read (`!!bool 0` "is not true or false").
+_TAG_READS = {"int": "a whole number", "float": "a number", "bool": "true or false", "null": "null",
+              "str": "text", "binary": "base64 data", "timestamp": "a date (2024-01-31) or time",
+              "map": "a mapping", "omap": "a list of one-key mappings", "pairs": "a list of one-key mappings",
+              "set": "a mapping of keys without values", "seq": "a list"}
+
+
+def _bad_value(loader, node, exc: Exception) -> _BadValue:
+    """The problem of a YAML node its constructor failed on (`exc`): the tag as written, the value and why."""
+    import yaml
+
+    tag = str(node.tag)
+    short = "!!" + tag[len(_YAML_TAG):] if tag.startswith(_YAML_TAG) else tag
+    name = short[2:] if short.startswith("!!") else ""
+    line = node.start_mark.line + 1
+    # A tag the plain text would not resolve to was written (`!!int abc`); else YAML took the text for it (`2024-13-45`)
+    explicit = not isinstance(node, yaml.ScalarNode) or loader.resolve(yaml.ScalarNode, node.value,
+                                                                        (True, False)) != node.tag
+    if isinstance(node, yaml.ScalarNode):
+        raw = str(node.value)
+        value = _describe(raw)
+        written = f"`{short} {raw if len(raw) < 40 else raw[:37] + '...'}`"
+        digits = raw.strip().lstrip("+-").replace("_", "")
+        if name == "int" and digits.isdigit() and len(digits) > sys.get_int_max_str_digits():
+            return _BadValue(line, too_many_digits(len(digits)))
+    else:
+        value = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+        written = f"`{short}` on {value}"
+    if isinstance(exc, yaml.constructor.ConstructorError) and "could not determine a constructor" in str(exc):
+        return _BadValue(line, f"{written}: not valid YAML for a config: `{short}` is a tag fitune does not read "
+                               "(a config holds plain values: text, numbers, true/false, lists, mappings); remove "
+                               "the tag")
+    # ValueError's text says what int()/float()/date() could not read; PyYAML's own errors say what it expected
+    detail = str(getattr(exc, "problem", None) or exc).strip() if type(exc) is ValueError or isinstance(
+        exc, yaml.YAMLError) else ""
+    detail = f" ({detail if len(detail) < 100 else detail[:97] + '...'})" if detail else ""
+    reads = _TAG_READS.get(name, f"what {short} reads")
+    if not explicit:  # a plain value YAML took for a date (`2024-13-45`)
+        return _BadValue(line, f"{value} reads as {reads} (YAML's {short}) but is not one{detail}; quote it to "
+                               "keep it as text")
+    return _BadValue(line, f"{written} is not {reads}{detail}; write the value without the tag")
+
+
 _LOADER = None
 
 
 def _loader():
-    """A SafeLoader that reads YAML 1.2 floats (`2e-4`, `1e-5`: PyYAML's YAML 1.1 reads them as text) and
-    refuses duplicate keys (the second would silently win)."""
+    """A SafeLoader that reads YAML 1.2 floats (`2e-4`, `1e-5`: PyYAML's YAML 1.1 reads them as text), refuses
+    duplicate keys (the second would silently win), and turns any value its tag cannot build (`lr: !!int abc`,
+    `!!bool 0`, `!foo`, a 5,000-digit integer) into one problem naming the line, the key, the value and why."""
     global _LOADER
     if _LOADER is not None:
         return _LOADER
@@ -610,7 +760,22 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_object(self, node, deep=False):
+            try:
+                return super().construct_object(node, deep=deep)
+            except (ConfigError, RecursionError, MemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a constructor reading the user's text: any failure is the value's
+                raise _bad_value(self, node, exc) from None
+
+        def construct_document(self, node):
+            # the root's list or set is filled after construct_object returns (PyYAML's generators), here
+            try:
+                return super().construct_document(node)
+            except (ConfigError, RecursionError, MemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - as above
+                raise _bad_value(self, node, exc) from None
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -619,24 +784,37 @@ def _loader():
     )
 
     def mapping(loader, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            k = loader.construct_object(key_node, deep=deep)
-            if not isinstance(k, (str, int, float, bool)) or k is None:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a plain name, got {k!r}")
+        if not isinstance(node, yaml.MappingNode):
+            raise yaml.constructor.ConstructorError(None, None, f"expected a mapping, found {node.id}",
+                                                    node.start_mark)
+        seen, out = set(), {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == _YAML_TAG + "merge":
+                raise ConfigError(f"line {line}: `<<` (a YAML merge key) is not read in a fitune config; write the "
+                                  "keys out")
+            k = loader.construct_object(key_node, deep=True)
+            if not isinstance(k, (str, int, float, bool)) or k is None or (isinstance(k, int) and k.bit_length() > 64):
+                raise ConfigError(f"line {line}: a key must be a plain name, got {_describe(k)}")
             if k in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {k!r} is given twice; keep one")
+                raise ConfigError(f"line {line}: key {_describe(k)} is given twice; keep one")
             seen.add(k)
-        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+            try:
+                out[k] = loader.construct_object(value_node, deep=True)
+            except _BadValue as exc:
+                exc.keys.insert(0, str(k))
+                raise
+        return out
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     _LOADER = Loader
     return Loader
 
 
-def _check_depth(doc: Any, path: str, depth: int = 0, seen: list[int] | None = None) -> None:
+def _check_depth(doc: Any, path: str, depth: int = 0, seen: list[int] | None = None, where: str = "") -> None:
     """Refuse a document nested deeper than MAX_CONFIG_DEPTH or holding more than MAX_CONFIG_VALUES values (YAML
-    aliases can repeat one list thousands of times over: `a: &a [x, x]`, `b: [*a, *a]`, ..., the billion laughs)."""
+    aliases can repeat one list thousands of times over: `a: &a [x, x]`, `b: [*a, *a]`, ..., the billion laughs),
+    or text that is not Unicode (a lone surrogate such as JSON's "\\ud800", which no file or terminal can write)."""
     seen = [0] if seen is None else seen
     seen[0] += 1
     if seen[0] > MAX_CONFIG_VALUES:
@@ -644,9 +822,26 @@ def _check_depth(doc: Any, path: str, depth: int = 0, seen: list[int] | None = N
                           "config holds a few dozen")
     if depth > MAX_CONFIG_DEPTH:
         raise ConfigError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels; a fitune config nests at most 2")
-    if isinstance(doc, dict):
-        for v in doc.values():
-            _check_depth(v, path, depth + 1, seen)
+    if isinstance(doc, str):
+        _check_unicode(doc, path, where)
+    elif isinstance(doc, int) and doc.bit_length() > 14_000 and int_digits(doc) > sys.get_int_max_str_digits():
+        key = f"{where}: " if where else ""  # `0x` and 3,600 hex digits: read, but no str() can write it
+        raise ConfigError(f"{path}: {key}{too_many_digits(int_digits(doc))}")
+    elif isinstance(doc, dict):
+        for k, v in doc.items():
+            name = k if isinstance(k, str) else ""
+            _check_unicode(name, path, where)
+            _check_depth(v, path, depth + 1, seen, f"{where}.{name}" if where else name)
     elif isinstance(doc, list):
         for v in doc:
-            _check_depth(v, path, depth + 1, seen)
+            _check_depth(v, path, depth + 1, seen, where)
+
+
+def _check_unicode(text: str, path: str, where: str) -> None:
+    """Raise ConfigError when `text` holds a lone surrogate (JSON's "\\ud800", YAML's "\\udc80")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        key = f"{where}: " if where else ""
+        raise ConfigError(f"{path}: {key}{ascii(text[:40])} holds a lone surrogate ({ascii(text[exc.start])}): "
+                          "half of a UTF-16 pair, not a character; write the text itself (UTF-8)") from None

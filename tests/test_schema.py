@@ -165,7 +165,7 @@ def test_foreign_and_misspelt_keys_get_did_you_mean(paths, tmp_path, text, messa
 
 
 @pytest.mark.parametrize("text, message", [
-    ('trust_remote_code: "false"\n', "trust_remote_code: must be true or false (unquoted"),
+    ('trust_remote_code: "false"\n', "trust_remote_code: 'false' — only the literal true runs"),
     ('merge: "no"\n', "merge: must be true or false"),
     ("lr: .inf\n", "lr: must be a finite number"),
     ("lr: 1e300\n", "lr: must be at most 1"),

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (transformers' and torch's cross-entropy `ignore_index`)."""
+EXACT_TURNS = 64
+"""Assistant turns of one conversation located by rendering the conversation up to each (exact, and quadratic in
+the turns); in a longer one, those past the kept tokens are located by their content (linear)."""
 MAX_LISTED_LINES = 10
 """Line numbers of dropped records a DataStats message lists; the rest are counted."""
 
@@ -350,8 +353,11 @@ def pad_id(tokenizer: Any) -> int:
 class _Encoder:
     """Turns one record into (input_ids, labels) with one tokenizer; raises _RecordProblem for a bad record."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, seq_len_tokens: int | None = None):
         self.tokenizer = tokenizer
+        self.seq_len_tokens = seq_len_tokens
+        """Tokens kept of each example (None: all): assistant turns that start past them are located by their
+        content (linear) instead of by rendering the conversation up to them (quadratic in the turns)."""
         self.eos = tokenizer.eos_token_id
         self.fast = bool(getattr(tokenizer, "is_fast", False))
         self.prefix = self._special_prefix()
@@ -427,21 +433,31 @@ class _Encoder:
                                                       add_generation_prompt=add_generation_prompt)
 
         try:
-            return run_with_time_limit(apply, RENDER_LIMIT_S)
+            text = run_with_time_limit(apply, RENDER_LIMIT_S)
         except _TimeLimit:
             raise DataError(_slow_template_message(self.tokenizer, RENDER_LIMIT_S,
                                                    f"a {len(messages)}-message conversation")) from None
         except Exception as e:  # jinja2 TemplateError, or the template's own raise_exception(...)
             raise _RecordProblem(f"the chat template cannot render these messages: {e}") from None
+        found = _SURROGATE.search(text)
+        if found:  # the record's own text is checked (`_check_unicode`); a template can write one (`'\\udcff'`)
+            raise _RecordProblem(f"the chat template writes an unpaired surrogate ({ascii(found.group())[1:-1]}) at "
+                                 f"character {found.start()}: not valid Unicode, which no tokenizer takes; fix the "
+                                 "chat_template")
+        return text
 
     def chat(self, record: dict) -> tuple[list[int], list[int]]:
         messages = _messages_field(record)
         full = self.render(messages)
+        exact_until = self._kept_chars(full, sum(m["role"] == "assistant" for m in messages))
         spans: list[tuple[int, int]] = []
         cursor, first = 0, 0  # the end of the last assistant turn: in characters, and the message after it
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                start, end = self.assistant_span(messages, i, full, cursor, first)
+                # A turn that starts past the kept tokens is cut by truncation: only the record's token counts see
+                # it, and finding its content is linear where rendering every prefix is quadratic in the turns.
+                span = self.assistant_span if cursor < exact_until else self._span_past_the_cut
+                start, end = span(messages, i, full, cursor, first)
                 spans.append((start, end))
                 cursor, first = end, i + 1
         if not spans:
@@ -476,6 +492,11 @@ class _Encoder:
                 return start, self._end_of_turn(full, start, len(upto))
         # The template renders an earlier turn differently once later turns follow (Qwen3 drops earlier
         # reasoning, for one): fall back to finding the content in the full text, plus an eos right after it.
+        return self.span_by_content(messages, i, full, cursor, first)
+
+    def span_by_content(self, messages: list[dict], i: int, full: str, cursor: int, first: int) -> tuple[int, int]:
+        """Assistant turn i found by its content in `full` after `cursor` (the turns between stepped over), plus
+        an eos right after it; without rendering anything: linear."""
         for message in messages[first:i]:  # step over the turns in between, so the content is not found in them
             found = full.find(message["content"], cursor) if message["content"] else -1
             if found >= 0:
@@ -493,6 +514,28 @@ class _Encoder:
         if eos_text and rest.lstrip().startswith(eos_text):
             end += len(rest) - len(rest.lstrip()) + len(eos_text)
         return start, end
+
+    def _span_past_the_cut(self, messages: list[dict], i: int, full: str, cursor: int, first: int) -> tuple[int, int]:
+        """`span_by_content` for a turn truncation cuts: one whose content cannot be found (an empty one) counts
+        no token instead of failing the record (no kept label depends on it)."""
+        try:
+            return self.span_by_content(messages, i, full, cursor, first)
+        except _RecordProblem:
+            return cursor, cursor
+
+    def _kept_chars(self, full: str, turns: int) -> int:
+        """Where in `full` the token past the first seq_len_tokens starts (the characters truncation keeps); past
+        the end (every turn located exactly) when no length is set or the conversation has at most EXACT_TURNS
+        assistant turns. One tokenization: linear."""
+        if self.seq_len_tokens is None or turns <= EXACT_TURNS:
+            return len(full) + 1
+        if self.fast:
+            offsets = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            return offsets[self.seq_len_tokens][0] if len(offsets) > self.seq_len_tokens else len(full) + 1
+        ids = self.ids(full)
+        if len(ids) <= self.seq_len_tokens:
+            return len(full) + 1
+        return len(self.tokenizer.decode(ids[: self.seq_len_tokens])) + 1  # a slow tokenizer gives no offsets
 
     def _end_of_turn(self, full: str, start: int, end: int) -> int:
         """`end` moved back over the whitespace the template writes after the turn's end-of-turn token (ChatML's
@@ -520,11 +563,7 @@ class _Encoder:
         a turn, like Mistral's " hello" after "[/INST]" where the template wrote the space, is trained."""
         if self.fast:
             encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            inside = [
-                e > s and any(s < span_end and e > span_start for span_start, span_end in spans)
-                for s, e in encoding["offset_mapping"]
-            ]
-            return list(encoding["input_ids"]), inside
+            return list(encoding["input_ids"]), _inside_spans(encoding["offset_mapping"], spans)
         # A slow tokenizer gives no offsets: tokenize the text up to each span edge instead. A span's last token is
         # the last of the text up to its end; its first, the first token after those the text before it shares.
         ids = self.ids(text)
@@ -650,6 +689,21 @@ def check_chat_template_time(tokenizer: Any, limit_s: float = PROBE_LIMIT_S) -> 
         pass
 
 
+def _inside_spans(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """For each token's (start, end) characters, whether it covers a character of one of `spans` (sorted, disjoint
+    character ranges, as `chat` makes them): one sweep over tokens and spans together, linear in both (testing
+    every span for every token was quadratic: seconds for a conversation of a few thousand turns)."""
+    inside, k, last_start = [], 0, -1
+    for s, e in offsets:
+        if s < last_start:  # offsets that go back (no fast tokenizer does): start the sweep over
+            k = 0
+        last_start = s
+        while k < len(spans) and spans[k][1] <= s:
+            k += 1  # a span that ends where this token starts ends before every later token too
+        inside.append(e > s and k < len(spans) and spans[k][0] < e)
+    return inside
+
+
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading items `a` and `b` share."""
     n = 0
@@ -712,7 +766,7 @@ def encode_records(
     source = source_of(records, source)
     fmt = resolve_format(records, tokenizer, fmt, seq_len_tokens, source=source)
     chat_template = bool(getattr(tokenizer, "chat_template", None))
-    encoder = _Encoder(tokenizer)
+    encoder = _Encoder(tokenizer, seq_len_tokens)
     examples: list[Example] = []
     rows: list[RecordTokens] = []
     empty: list[tuple[int, str]] = []

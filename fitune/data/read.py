@@ -22,10 +22,12 @@ import csv
 import io
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 from ..errors import DataError
+from ..schema import too_many_digits
 from .hub import DEFAULT_SPLIT, is_hub_id, iter_rows, open_hub_dataset
 
 MAX_LISTED_PROBLEMS = 10
@@ -201,9 +203,16 @@ def data_path_problem(path: str) -> str | None:
 
 
 def _loads(text: str):
-    """json.loads that turns a nesting too deep for Python's parser into the JSONDecodeError it is to users."""
+    """json.loads that turns a nesting too deep for Python's parser, and an integer longer than Python converts
+    (sys.get_int_max_str_digits(), 4,300 digits: ValueError), into the JSONDecodeError they are to users."""
+    def parse_int(number: str) -> int:
+        digits = len(number.lstrip("-"))
+        if digits > sys.get_int_max_str_digits():
+            raise json.JSONDecodeError(too_many_digits(digits), text, max(text.find(number), 0))
+        return int(number)
+
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=parse_int)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply (a record nests a few levels)", text[:80], 0) from None
 

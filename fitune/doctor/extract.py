@@ -26,7 +26,7 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schema import Problems, _BAD, coerce
+from ..schema import Problems, _BAD, coerce, show_int
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
 from .index import UNKNOWN, Call, Ref, ScriptIndex, is_unsloth_loader
 
@@ -179,11 +179,11 @@ class _Extractor:
         here = (node.lineno,)
         if isinstance(node, ast.Name) and node.id in self.const_lines:
             line = self.const_lines[node.id]
-            return value, tuple(sorted({node.lineno, line})), Edit(line, f"{node.id} = {_show(value)}", "constant",
+            return value, tuple(sorted({node.lineno, line})), Edit(line, f"{node.id} = {_code(value)}", "constant",
                                                                    node.id)
         if isinstance(node, ast.Attribute) and node.attr in self.arg_lines and value is not UNKNOWN:
             line, flag = self.arg_lines[node.attr]
-            return value, tuple(sorted({node.lineno, line})), Edit(line, f"default={_show(value)}", "argparse",
+            return value, tuple(sorted({node.lineno, line})), Edit(line, f"default={_code(value)}", "argparse",
                                                                    node.attr, flag)
         text = f"{kw}={ast.unparse(node)}" if kw else ast.unparse(node)
         return value, here, Edit(node.lineno, text, "keyword", kw, _call_text(call)) if kw else None
@@ -249,6 +249,7 @@ class _Extractor:
         self._batch()
         self._seq_len()
         self._keep_outputs()
+        self._within_bounds()
         for f, v in overrides.items():
             if f in SCRIPT_FIELDS or f in _KEYS:
                 self.put(f, v, (), "flag", f"{FLAGS[f]} {_show(v)}")
@@ -259,6 +260,23 @@ class _Extractor:
         setup = DEFAULT_SETUP.replace(**values, **extra)
         return ScriptSetup(model_name, model_id, setup, dict(self.fields), style, tuple(dict.fromkeys(self.notes)),
                            gpu, dict(self.anchors))
+
+    def _within_bounds(self) -> None:
+        """A value the script states that no setting of fitune's takes (`per_device_train_batch_size=0`, a 400-digit
+        `max_length`): noted with the bound it breaks, and fitune's default assumed in its place (the flag sets it),
+        as for a value fitune does not model; the estimate never sees it."""
+        for f in SCRIPT_FIELDS:
+            r = self.fields.get(f)
+            if r is None or r.origin != "script" or f not in _KEYS:
+                continue
+            problems = Problems()
+            if coerce(_KEYS[f], r.value, "yaml", problems) is not _BAD and not problems.items:
+                continue
+            why = problems.items[0].removeprefix(f"{_KEYS[f].yaml}: ") if problems.items else "not a value it takes"
+            default = getattr(DEFAULT_SETUP, f)
+            where = f" (line {r.lines[0]})" if r.lines else ""
+            self.notes.append(f"{r.why}{where}: {why}; assumed {_show(default)} ({FLAGS[f]} sets it)")
+            self.put(f, default, r.lines, "fitune", f"{r.why} is outside what fitune models", r.edit)
 
     def _kbit_note(self, spec) -> None:
         kbit = self.ix.calls_named("prepare_model_for_kbit_training")
@@ -758,6 +776,14 @@ def _call_text(call: Call | None) -> str:
 
 
 def _show(v) -> str:
+    """A value as a message quotes it: a 400-digit integer by its length (`a number of 400 digits`)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return show_int(v)
+    return _code(v)
+
+
+def _code(v) -> str:
+    """A value as Python source writes it (what an edit of the script puts in)."""
     if isinstance(v, Ref):
         return v.text
     if isinstance(v, tuple):

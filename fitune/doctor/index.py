@@ -10,6 +10,7 @@ and rules treat UNKNOWN as "cannot tell" - they do not guess.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -38,6 +39,11 @@ else fp16; load_in_4bit defaults to True), `X.get_peft_model(model, ...)` adds L
 _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
                ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: a / b}
 """Arithmetic on literals the index evaluates (`2 * 256`, `MAX_LEN // 2`)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""Half of a UTF-16 pair: a string literal may hold one (`'\\ud800'`), no output can write it."""
+MAX_LITERAL_BITS = 4096
+"""The largest integer arithmetic on literals makes (about 1,233 digits): past it the value is unknown, so that
+multiplying 400-digit literals never builds a number Python cannot print (4,300 digits) or takes long to."""
 DTYPE_ALIASES = {
     "float32": "fp32", "float": "fp32", "fp32": "fp32",
     "bfloat16": "bf16", "bf16": "bf16",
@@ -165,6 +171,9 @@ class ScriptIndex:
         if node is None:
             return UNKNOWN
         if isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and _SURROGATE.search(node.value):
+                # '\ud800' in the script: kept as its escape, which a terminal and a JSON file can write
+                return node.value.encode("utf-8", "backslashreplace").decode("utf-8")
             return node.value
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
             items = [self.value(e) for e in node.elts]
@@ -176,7 +185,10 @@ class ScriptIndex:
             vals = [self.value(v) for v in node.values]
             if any(k is UNKNOWN for k in keys):
                 return UNKNOWN
-            return dict(zip(keys, vals))
+            try:
+                return dict(zip(keys, vals))
+            except TypeError:  # a key that is a list or a dict (`{[1]: 2}`): Python itself would refuse it
+                return UNKNOWN
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             v = self.value(node.operand)
             return -v if isinstance(v, (int, float)) and not isinstance(v, bool) else UNKNOWN
@@ -184,9 +196,12 @@ class ScriptIndex:
             left, right = self.value(node.left), self.value(node.right)
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
                 try:
-                    return _ARITHMETIC[type(node.op)](left, right)
-                except ZeroDivisionError:
+                    result = _ARITHMETIC[type(node.op)](left, right)
+                except (ZeroDivisionError, OverflowError):  # `x / 0`; a 400-digit integer over a float
                     return UNKNOWN
+                if isinstance(result, int) and result.bit_length() > MAX_LITERAL_BITS:
+                    return UNKNOWN  # products of huge literals: no setting is that large, and str() would refuse it
+                return result
             return UNKNOWN
         if isinstance(node, ast.Name):
             if node.id in self.constants:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 
+from ..schema import too_many_digits
 from .findings import ScriptError
 
 NOTEBOOK_SUFFIX = ".ipynb"
@@ -92,8 +94,14 @@ def read_notebook(path: str, text: str) -> Notebook:
     Raises:
         ScriptError: the text is not JSON, not a notebook (nbformat 4: {"cells": [...]}), or has no code cell.
     """
+    def parse_int(number: str) -> int:  # int() refuses over 4,300 digits with a ValueError naming nothing
+        digits = len(number.lstrip("-"))
+        if digits > sys.get_int_max_str_digits():
+            raise ScriptError(f"{path} is not a readable notebook: {too_many_digits(digits)}")
+        return int(number)
+
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_int=parse_int)
     except json.JSONDecodeError as exc:
         raise ScriptError(f"{path} is not a readable notebook: not JSON ({exc.msg} at line {exc.lineno}, column "
                           f"{exc.colno}); save it again from Jupyter, or pass the training script (.py)") from None

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..schema import int_digits, too_many_digits
 from .findings import Finding, ScriptError, sort_findings
 from .index import ScriptIndex
 from .notebook import NOTEBOOK_SUFFIX, Notebook, read_notebook
@@ -51,18 +52,56 @@ def index_source(source: str, filename: str = "<script>", setup_overrides: dict 
     `notebook`: the notebook `source` was joined from, so that a syntax error names its cell."""
     try:
         tree = ast.parse(source, filename=filename)
-    except SyntaxError as exc:
+    except (SyntaxError, ValueError) as exc:  # ValueError (3.11): "source code string cannot contain null bytes"
+        long_number = _too_long_literal(source) if "Exceeds the limit" in str(exc) else None
+        if long_number is not None:  # a 5,000-digit literal: CPython's message names neither line nor fix
+            line, digits = long_number
+            where = notebook.where(line) if notebook else f"line {line}"
+            raise ScriptError(f"{filename}, {where}: {too_many_digits(digits)}; Python itself cannot run this "
+                              "script (write the number in hexadecimal, or as a product)") from None
+        if isinstance(exc, ValueError):
+            raise ScriptError(f"{filename} is not a Python script: {exc}; {SCRIPT_HINT}") from None
         where = "" if not exc.lineno else f" at {notebook.where(exc.lineno)}" if notebook else f" at line {exc.lineno}"
         what = "a notebook of Python code" if notebook else "a Python script"
         raise ScriptError(f"{filename} is not {what}: {exc.msg}{where}; {SCRIPT_HINT}") from exc
-    except ValueError as exc:  # CPython 3.11: "source code string cannot contain null bytes"
-        raise ScriptError(f"{filename} is not a Python script: {exc}; {SCRIPT_HINT}") from None
     except (RecursionError, MemoryError):  # CPython's parser on an expression nested thousands of levels deep
         raise _unreadable(filename) from None
+    huge = _unprintable_literal(tree)
+    if huge is not None:  # `0x` and 3,600 hex digits parse, but no message or fix could write the number
+        line, digits = huge
+        where = notebook.where(line) if notebook else f"line {line}"
+        raise ScriptError(f"{filename}, {where}: {too_many_digits(digits)}; no setting of a training script is "
+                          "that large: check the literal")
     try:
         return ScriptIndex.build(tree, setup_overrides, model, gpu)
     except RecursionError:  # the syntax tree parsed but is too deep for the rules' recursive walk
         raise _unreadable(filename) from None
+
+
+def _too_long_literal(source: str) -> tuple[int, int] | None:
+    """(line, digits) of the first integer literal longer than Python converts (sys.get_int_max_str_digits(): the
+    ValueError ast.parse raises for it names neither), or None."""
+    import re
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    for m in re.finditer(r"(?<![\w.])[0-9][0-9_]{%d,}" % limit, source):
+        digits = len(m.group(0).replace("_", ""))
+        if digits > limit:
+            return source.count("\n", 0, m.start()) + 1, digits
+    return None
+
+
+def _unprintable_literal(tree: ast.AST) -> tuple[int, int] | None:
+    """(line, digits) of an integer literal that str() refuses (more than sys.get_int_max_str_digits() digits once
+    written in decimal: a hexadecimal literal gets there), or None."""
+    import sys
+
+    for node in ast.walk(tree):
+        value = getattr(node, "value", None) if isinstance(node, ast.Constant) else None
+        if isinstance(value, int) and value.bit_length() > 14_000 and int_digits(value) > sys.get_int_max_str_digits():
+            return node.lineno, int_digits(value)
+    return None
 
 
 def _unreadable(filename: str) -> ScriptError:

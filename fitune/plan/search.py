@@ -16,8 +16,14 @@ How it stays fast (an 8B model answers in well under a second):
    quantised states - then adafactor and sgd, which change the training) and only while it could make a
    difference: when the peak without any optimizer state is over the budget, no optimizer will fit;
 4. memory is estimated on 2- and 3-layer models and extrapolated (fast.py); the fastest candidates (the first
-   `top`, and more until one runs without allocator retries) are confirmed with the full estimate, whose verdicts
-   (fits, allocator retries) the returned plans carry.
+   `top`, and more until one runs without allocator retries, MAX_CONFIRMATIONS at most) are confirmed with the
+   full estimate, whose verdicts (fits, allocator retries) the returned plans carry;
+5. the space is bounded whatever the request: --gpus at most MAX_PLAN_GPUS (one machine), GPU counts and
+   micro-batches thinned to one per power-of-two range; an option with many micro-batches first finds by bisection
+   where its lightest setups stop fitting (`_micro_ceilings`), pruning what lies above unestimated; a method stops
+   once `top` + SPARE_CANDIDATES of its setups fit with Adam (slower ones could not rank); and the visit ends at
+   MAX_SEARCH_COST estimates, with a note saying so (`fitune plan --gpus 16 --batch-size 720720` with every method
+   answers in seconds).
 
 Ranking: plans without allocator retries first; then plans that keep the Adam update; then predicted tokens/s.
 The list holds the best plan of each method asked for (when it fits), then the next fastest.
@@ -30,6 +36,7 @@ Pure Python, no torch import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -137,6 +144,10 @@ class PlanRequest:
                         ("--top", self.top)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 problems.append(f"{flag} must be a positive integer, got {v!r}")
+        if not problems and self.num_gpus > MAX_PLAN_GPUS:
+            problems.append(f"--gpus {self.num_gpus}: fitune plans runs on one machine (its runner starts one process "
+                            f"per GPU with torchrun --standalone), at most {MAX_PLAN_GPUS} GPUs; plan with the GPUs "
+                            "of one machine (8 on most)")
         if not problems and self.batch_size % self.num_gpus:
             problems.append(f"--batch-size {self.batch_size} does not split over --gpus {self.num_gpus}: data parallel "
                             f"gives each GPU batch / N sequences; use a multiple of {self.num_gpus}")
@@ -278,9 +289,33 @@ def parallel_options(req: PlanRequest, method: str) -> list[tuple[int, str]]:
     if req.num_gpus == 1:
         return [(1, "ddp")]
     counts = [n for n in range(2, req.num_gpus + 1) if req.num_gpus % n == 0 and req.batch_size % n == 0]
+    if len(counts) > MAX_GPU_COUNTS:  # 60 has 11 divisors: the largest in each power-of-two range (60 among them)
+        counts = sorted({n.bit_length(): n for n in counts}.values())
     strategies = [s for s in STRATEGIES if not (method == "qlora" and s == "zero3_offload")]
     return [(1, "ddp")] + [(n, s) for n in counts for s in strategies]
 
+
+#: The most GPUs `fitune plan --gpus` takes: fitune's runner is one machine's (torchrun --standalone), and the
+#: search's space grows with the GPU counts and strategies it tries.
+MAX_PLAN_GPUS = 16
+#: GPU counts searched (each with every strategy): more divisors of --gpus than this are thinned to the largest in
+#: each power-of-two range, as the micro-batches are.
+MAX_GPU_COUNTS = 4
+#: An option (method, GPU count, strategy) with more micro-batches than this first finds, by bisection on its
+#: lightest setup, the smallest micro-batch that cannot fit: every setup from there up is pruned unestimated.
+MICRO_PROBE_MIN = 8
+#: Setups of one method that fit with an Adam optimizer, beyond --top, after which the method's slower setups are
+#: not estimated: they would rank below those (a plan keeps the Adam update first, then the faster), and the spares
+#: stand in for candidates the full estimate turns down.
+SPARE_CANDIDATES = 3
+#: The estimates a search makes at most, in units of one extrapolated estimate (a full one counts num_layers / 5 of
+#: them: what it costs next to two shallow models): the bound that keeps `fitune plan` within seconds whatever the
+#: space (4 methods x 16 GPUs x a batch of 720,720). Ordinary requests (one GPU, a few methods) spend a tenth.
+MAX_SEARCH_COST = 800
+#: Full estimates `_confirm` makes at most, beyond the first of each method: when every confirmed candidate needs
+#: allocator retries (or the fast estimate was optimistic), the search stops there rather than confirming
+#: hundreds; the plans it shows then carry their retries.
+MAX_CONFIRMATIONS = 12
 
 #: The largest micro-batch and gradient accumulation a plan proposes: TrainSetup's own bounds on batch_size and
 #: grad_accum, so that every plan is a config `fitune train` accepts.
@@ -296,12 +331,17 @@ def micro_batch_candidates(per_gpu_batch: int) -> list[int]:
     m <= MAX_MICRO_BATCH and batch / m <= MAX_GRAD_ACCUM, ascending; thinned to one per power-of-two range when
     there are more than MAX_MICRO_CANDIDATES. Trial division over at most MAX_MICRO_BATCH numbers: the work is
     bounded by constants, never by the batch the user typed (`--batch-size 1000000000`)."""
+    return list(_micro_batch_candidates(per_gpu_batch))
+
+
+@functools.lru_cache(maxsize=256)  # the same per-GPU batch comes back for every method and strategy of a search
+def _micro_batch_candidates(per_gpu_batch: int) -> tuple[int, ...]:
     divisors = [m for m in range(1, min(per_gpu_batch, MAX_MICRO_BATCH) + 1)
                 if per_gpu_batch % m == 0 and per_gpu_batch // m <= MAX_GRAD_ACCUM]
     if len(divisors) <= MAX_MICRO_CANDIDATES:
-        return divisors
+        return tuple(divisors)
     largest_per_range = {m.bit_length(): m for m in divisors}  # ascending: the last one of each range stays
-    return sorted(largest_per_range.values())
+    return tuple(sorted(largest_per_range.values()))
 
 
 def unvalidated_reasons(s: TrainSetup) -> list[str]:
@@ -331,11 +371,43 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
         else:
             rejected.append(r)
 
+    groups, unprobed = _space(req, methods)
+    search = _Search(req, fast, methods, unprobed)
+    for g in _reported(groups, progress):
+        if search.spent() >= MAX_SEARCH_COST:
+            search.stopped = True
+            break  # bounded: the setups left are slower than every one tried
+        search.visit(g)
+
+    accepted, infeasible = search.accepted, search.infeasible
+    plans, with_retries = _confirm(req, fast, accepted)
+    plans = _marked(req, plans)
+    if plans:
+        rejected += _why_not_faster(plans[-1], infeasible, with_retries)
+    fitting = {p.setup.method for p in plans} | {g.method for g in accepted}
+    rejected += _methods_without_plan(req, fast, [m for m in methods if m not in fitting])
+    changes: list[Change] = []
+    minimum = None
+    if not plans:
+        minimum, changes = _what_would_fit(req, fast, methods)
+    notes = _notes(req, plans) + _search_notes(req, methods, search)
+    return PlanResult(req, tuple(plans), tuple(rejected), tuple(changes), minimum,
+                      searched=len(groups) * len(req.optimizers), estimated_fast=fast.shallow_calls,
+                      estimated_full=fast.full_calls, notes=tuple(notes))
+
+
+def _space(req: PlanRequest, methods: list[str]) -> tuple[list[_Group], dict[tuple, list[int]]]:
+    """Every setup of the space but the optimizer, fastest first (by predicted speed); and the options (method, GPU
+    count, strategy) with more than MICRO_PROBE_MIN micro-batches, whose ceilings `_Search` finds when it gets
+    there."""
     groups = []
+    unprobed: dict[tuple, list[int]] = {}
     for method in methods:
         for gpus, strategy in parallel_options(req, method):
             per_gpu = req.batch_size // gpus
             micros = micro_batch_candidates(per_gpu)
+            if len(micros) > MICRO_PROBE_MIN:
+                unprobed[(method, gpus, strategy)] = micros
             ckpts, losses = (("none", "full"), ("hf",)) if req.keep_outputs else (RUNNABLE_CHECKPOINTING, req.losses)
             for micro, ckpt, attn, loss in itertools.product(micros, ckpts, req.attns, losses):
                 if ckpt == "offload" and req.host_ram_bytes is not None \
@@ -348,40 +420,141 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
                                * (1 - SPEED_TIE * _nondefault(g)))
                     groups.append(g)
     groups.sort(key=lambda g: -g.score)
+    return groups, unprobed
 
-    accepted: list[_Group] = []
-    infeasible: list[_Group] = []
-    over: list[_Group] = []  # skipped as heavier than a setup that did not fit
-    for g in _reported(groups, progress):
-        if g.offload_embeddings and not any(_twin_on_gpu(g, x) for x in infeasible + over + [
-                p for p in accepted if p.estimate is not None and p.estimate.retries_expected]):
-            continue  # the table moves to the CPU only where even offloaded checkpoints do not fit without retries
-        if g.loss == "chunked" and any(_same_but_loss(g, p) and p.estimate is not None
-                                       and p.estimate.peak_reserved_bytes < 0.95 * budget for p in accepted):
-            continue  # the plain loss already fits here with room to spare, and chunking is never faster
-        if any(_heavier_or_equal(g, x) for x in infeasible):
-            over.append(g)
-            continue  # needs at least the memory of a setup that did not fit
-        if any(_heavier_or_equal(g, p) for p in accepted):
-            continue  # slower than a plan already found and no lighter: never the better choice
-        if _choose_optimizer(req, fast, g, budget):
-            accepted.append(g)
+
+class _Search:
+    """The visit of the space, fastest setup first: what fit (`accepted`), what did not (`infeasible`), the
+    ceilings found by bisection, and the shortcuts' keys (see the module docstring for the rules)."""
+
+    def __init__(self, req: PlanRequest, fast: FastEstimator, methods: list[str], unprobed: dict[tuple, list[int]]):
+        self.req, self.fast, self.unprobed = req, fast, unprobed
+        self.budget = req.gpu.allocator_budget_bytes
+        self.accepted: list[_Group] = []
+        self.infeasible: list[_Group] = []
+        self.ceilings: list[_Group] = []  # per option and checkpointing: the lightest setup at the first micro over
+        # Keys of the setups two shortcuts look up (sets: one lookup per setup, whatever the space's size): with
+        # the table on the GPU, those that did not fit without retries; with the plain loss, those that fit with
+        # room to spare.
+        self.table_on_gpu_failed: set[tuple] = set()
+        self.plain_loss_roomy: set[tuple] = set()
+        self.enough = req.top + SPARE_CANDIDATES
+        self.adam_accepted = dict.fromkeys(methods, 0)
+        self.stopped = False
+        """True when MAX_SEARCH_COST ended the visit before the space did."""
+
+    def spent(self) -> int:
+        """The estimates made so far, a full one weighed by how many times a two-shallow-models one it costs."""
+        return self.fast.shallow_calls + self.fast.full_calls * max(1, self.req.model.num_layers // 5)
+
+    def visit(self, g: _Group) -> None:
+        """Estimate `g` unless a shortcut or a pruning rule says how it would come out (or that it cannot matter)."""
+        if self.adam_accepted[g.method] >= self.enough:
+            return  # slower than `enough` Adam setups of its method that fit: it could not rank among the plans
+        if g.offload_embeddings and _twin_key(g) not in self.table_on_gpu_failed:
+            return  # the table moves to the CPU only where even offloaded checkpoints do not fit without retries
+        if g.loss == "chunked" and _loss_key(g) in self.plain_loss_roomy:
+            return  # the plain loss already fits here with room to spare, and chunking is never faster
+        option = (g.method, g.gpus, g.strategy)
+        if option in self.unprobed and not _pruned(g, self.infeasible, self.ceilings):
+            self.ceilings += _micro_ceilings(self.req, self.fast, *option, self.unprobed.pop(option))
+        if _pruned(g, self.infeasible, self.ceilings):
+            if not g.offload_embeddings:
+                self.table_on_gpu_failed.add(_twin_key(g))
+            return  # needs at least the memory of a setup that did not fit
+        if any(_heavier_or_equal(g, p) for p in self.accepted):
+            return  # slower than a plan already found and no lighter: never the better choice
+        if _choose_optimizer(self.req, self.fast, g, self.budget):
+            self.accepted.append(g)
+            self.adam_accepted[g.method] += g.optimizer in ADAM_FAMILY
+            if g.estimate is not None and g.estimate.retries_expected and not g.offload_embeddings:
+                self.table_on_gpu_failed.add(_twin_key(g))
+            if g.estimate is not None and g.estimate.peak_reserved_bytes < 0.95 * self.budget:
+                self.plain_loss_roomy.add(_loss_key(g))
         else:
-            infeasible.append(g)
+            self.infeasible.append(g)
+            if not g.offload_embeddings:
+                self.table_on_gpu_failed.add(_twin_key(g))
 
-    plans, with_retries = _confirm(req, fast, accepted)
-    plans = _marked(req, plans)
-    if plans:
-        rejected += _why_not_faster(plans[-1], infeasible, with_retries)
-    fitting = {p.setup.method for p in plans} | {g.method for g in accepted}
-    rejected += _methods_without_plan(req, fast, [m for m in methods if m not in fitting])
-    changes: list[Change] = []
-    minimum = None
-    if not plans:
-        minimum, changes = _what_would_fit(req, fast, methods)
-    return PlanResult(req, tuple(plans), tuple(rejected), tuple(changes), minimum,
-                      searched=len(groups) * len(req.optimizers), estimated_fast=fast.shallow_calls,
-                      estimated_full=fast.full_calls, notes=tuple(_notes(req, plans)))
+
+def _search_notes(req: PlanRequest, methods: list[str], search: _Search) -> list[str]:
+    """What bounded the search, when something did: the GPU counts thinned, the estimates' budget spent."""
+    notes = []
+    counts = sorted({n for m in methods for n, _ in parallel_options(req, m) if n > 1})
+    every = [n for n in range(2, req.num_gpus + 1) if req.num_gpus % n == 0 and req.batch_size % n == 0]
+    if counts != every:
+        notes.append(f"--gpus {req.num_gpus}: searched on {', '.join(map(str, counts))} GPUs (the largest count in "
+                     f"each power-of-two range of the {len(every)} that split the batch)")
+    if search.stopped:
+        open_methods = [METHOD_LABELS[m] for m in methods if search.adam_accepted[m] < search.enough]
+        notes.append(f"the search stopped at its bound ({MAX_SEARCH_COST} estimate units, fitune/plan/search.py "
+                     "MAX_SEARCH_COST) before the slowest setups of "
+                     f"{', '.join(open_methods) or 'the space'}: a slower setup than those shown may fit; ask for fewer "
+                     "methods (--method) or GPUs (--gpus), or a smaller --batch-size, to search it all")
+    return notes
+
+
+def _pruned(g: _Group, infeasible: list[_Group], ceilings: list[_Group]) -> bool:
+    """`g` needs at least the memory of a setup that did not fit."""
+    return any(_heavier_or_equal(g, x) for x in infeasible) or any(_heavier_or_equal(g, x) for x in ceilings)
+
+
+def _micro_ceilings(req: PlanRequest, fast: FastEstimator, method: str, gpus: int, strategy: str,
+                    micros: list[int]) -> list[_Group]:
+    """For each checkpointing mode the option searches, its lightest setup (the lightest loss, attention and
+    optimizer) at the smallest of `micros` where it does not fit, found by bisection (about log2 of the
+    micro-batches' count estimates each). Memory grows with the micro-batch and along every other axis, so each
+    setup of the option at least as heavy as one of these is pruned without an estimate of its own."""
+    optimizer = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
+    ckpts = ("none", "full") if req.keep_outputs else RUNNABLE_CHECKPOINTING
+    out: list[_Group] = []
+    bound = len(micros)  # a heavier mode fails where a lighter one did: only the micro-batches below are open
+    for ckpt in sorted(ckpts, key=_CKPT_MEMORY.get):
+        def probe(i: int) -> _Group:
+            g = _lightest_group(req, method, micros[i], gpus, strategy, ckpt)
+            g.estimate = fast.estimate(_setup(req, g, optimizer))
+            return g
+
+        low, high, failing = 0, bound, None  # every index below low fits; the index high fails (or is the bound)
+        if high == len(micros):  # nothing known yet: with room to spare the largest fits, and one probe says so
+            g = probe(high - 1)
+            if g.estimate.fits:
+                continue
+            high, failing = high - 1, g
+        if high > 0:  # without room at all the smallest fails, and one probe says so
+            g = probe(0)
+            if g.estimate.fits:
+                low = 1
+            else:
+                high, failing = 0, g
+        while low < high:
+            mid = (low + high) // 2
+            g = probe(mid)
+            if g.estimate.fits:
+                low = mid + 1
+            else:
+                high, failing = mid, g
+        if failing is None:
+            continue  # it fits below the lighter mode's ceiling, which prunes this mode above it
+        out.append(failing)
+        bound = high
+        if high == 0:
+            break  # not even the smallest micro-batch fits: nor does it with any heavier mode
+    return out
+
+
+def _lightest_group(req: PlanRequest, method: str, micro: int, gpus: int, strategy: str, ckpt: str) -> _Group:
+    """The setup of an option (method, GPU count, strategy) at `micro` with checkpointing `ckpt` that needs the
+    least memory among those the search visits: the chunked loss, the lightest attention, the embedding table on
+    the CPU where that is searched; offloaded checkpoints become full where the host memory cannot hold them."""
+    if ckpt == "offload" and req.host_ram_bytes is not None and _offload_host_bytes(req, micro) > req.host_ram_bytes:
+        ckpt = "full"
+    loss = "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf"
+    known = [a for a in req.attns if a in _ATTN_MEMORY]
+    attn = min(known, key=_ATTN_MEMORY.get) if known else req.attns[0]
+    emb = ckpt == "offload" and _embeddings_offloadable(req, method, gpus)
+    return _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy,
+                  offload_embeddings=emb)
 
 
 def _reported(items: list, progress) -> Iterator:
@@ -446,16 +619,15 @@ def _embeddings_offloadable(req: PlanRequest, method: str, gpus: int) -> bool:
             and not req.model.tie_word_embeddings)
 
 
-def _twin_on_gpu(a: _Group, b: _Group) -> bool:
-    """`b` is `a` with the embedding table on the GPU."""
-    return not b.offload_embeddings and dataclasses.replace(a, offload_embeddings=False, score=0.0, optimizer=None,
-                                                              estimate=None) == \
-        dataclasses.replace(b, score=0.0, optimizer=None, estimate=None)
+def _twin_key(g: _Group) -> tuple:
+    """The setup's axes but where the embedding table is: a setup with the table on the CPU and its twin with the
+    table on the GPU share it. Score, optimizer and estimate are left out: they are results, not axes."""
+    return (g.method, g.micro, g.ckpt, g.attn, g.packing, g.loss, g.gpus, g.strategy)
 
 
-def _same_but_loss(a: _Group, b: _Group) -> bool:
-    return (a.method, a.micro, a.ckpt, a.attn, a.packing, a.gpus, a.strategy, a.offload_embeddings) == \
-        (b.method, b.micro, b.ckpt, b.attn, b.packing, b.gpus, b.strategy, b.offload_embeddings)
+def _loss_key(g: _Group) -> tuple:
+    """The setup's axes but the loss: setups equal on it differ in their loss alone."""
+    return (g.method, g.micro, g.ckpt, g.attn, g.packing, g.gpus, g.strategy, g.offload_embeddings)
 
 
 def _heavier_or_equal(a: _Group, b: _Group) -> bool:
@@ -524,12 +696,14 @@ def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> t
             p = confirm(g)
             if p is not None and not p.retries_expected:
                 break
+    extra = 0
     for g in ranked:
         found = [p for p in plans.values() if p is not None]
-        if len(found) >= req.top and any(not p.retries_expected for p in found):
+        if len(found) >= req.top and any(not p.retries_expected for p in found) or extra >= MAX_CONFIRMATIONS:
             break
         if id(g) not in plans:
             confirm(g)
+            extra += 1
     found = [p for p in plans.values() if p is not None]
     key = lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -p.trained_tokens_per_s)  # noqa: E731
     found.sort(key=key)
@@ -738,7 +912,7 @@ def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, 
     host = _offload_host_bytes(req, 1, seq_len_tokens)
     ckpt = "offload" if (req.host_ram_bytes is None or host <= req.host_ram_bytes) and not req.keep_outputs else "full"
     g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf",
-               offload_embeddings=_embeddings_offloadable(req, method, 1))
+               offload_embeddings=_embeddings_offloadable(req, method, 0))  # 0: on the request's --gpus
     s = _setup(req, g, opt, **changes)
     return s.replace(seq_len_tokens=seq_len_tokens) if seq_len_tokens else s
 

@@ -390,11 +390,27 @@ def zero3_fetch_overhead_s(model: ModelSpec, setup: TrainSetup) -> float:
     costs ZERO3_FETCH_S. 0 for the other strategies."""
     if setup.strategy not in ("zero3", "zero3_offload"):
         return 0.0
-    tensors = len(adapter_terms.trainable_tensor_shapes(model, setup.replace(method="full")))
+    tensors = _full_tensor_count(model, setup)
     if setup.method in ("lora", "qlora"):
         tensors += 2 * len(adapter_terms.lora_targets(model, setup)) * model.num_layers
     fetches = 2 + (1 if setup.grad_checkpointing != "none" else 0)
     return setup.grad_accum * tensors * fetches * ZERO3_FETCH_S
+
+
+_FULL_TENSORS: dict[int, tuple[ModelSpec, int]] = {}
+"""id(model) -> (model, its parameter tensors in a full fine-tune): a plan's search asks for every ZeRO-3 setup it
+scores, and the count is the model's alone (the model is kept so that its id is not reused while cached)."""
+
+
+def _full_tensor_count(model: ModelSpec, setup: TrainSetup) -> int:
+    """The parameter tensors of `model` in a full fine-tune (`adapter_terms.trainable_tensor_shapes`), memoised."""
+    hit = _FULL_TENSORS.get(id(model))
+    if hit is None or hit[0] is not model:
+        if len(_FULL_TENSORS) > 64:
+            _FULL_TENSORS.clear()
+        hit = (model, len(adapter_terms.trainable_tensor_shapes(model, setup.replace(method="full"))))
+        _FULL_TENSORS[id(model)] = hit
+    return hit[1]
 
 
 def communication_bytes(model: ModelSpec, setup: TrainSetup) -> CommBytes:

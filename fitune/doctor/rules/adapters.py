@@ -26,8 +26,8 @@ LARGE_MODEL_PARAMS = 1_000_000_000
 def lora_all_linear(ix: ScriptIndex) -> Iterator[Hit]:
     for c in ix.calls_named("LoraConfig"):
         targets = ix.value(c.kw("target_modules"))
-        everything = targets == "all-linear" or (
-            isinstance(targets, list) and any(s <= set(targets) for s in ALL_LINEAR_SETS))
+        names = {t for t in targets if isinstance(t, str)} if isinstance(targets, list) else set()
+        everything = targets == "all-linear" or any(s <= names for s in ALL_LINEAR_SETS)  # [1, None, {}]: no names
         if not everything:
             continue
         yield Hit(c.line,

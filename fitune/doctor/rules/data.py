@@ -216,7 +216,16 @@ def _tokenizer_family(ix: ScriptIndex) -> str | None:
     name = next((n for n in names if n), None)
     if name is None:
         return None
-    return model_catalog()[name]["config"].get("model_type")
+    if name in model_catalog():
+        return model_catalog()[name]["config"].get("model_type")
+    # `--model FOLDER` (or a config.json, a Hub id): the model_type its config.json names
+    from ...errors import FituneError
+    from ...specs.model import resolve_model_source
+
+    try:
+        return resolve_model_source(name).model_type or None
+    except FituneError:
+        return None
 
 
 LABEL_MAKING_COLLATORS_NOT = ("DataCollatorWithPadding", "default_data_collator", "DefaultDataCollator")
