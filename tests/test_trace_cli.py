@@ -75,7 +75,7 @@ def test_the_analytic_engine_still_rejects_it_and_points_to_trace(capsys, neox_c
 def test_lora_targets_given_that_the_model_lacks_are_named(capsys, neox_config):
     rc, out, err = _run(capsys, neox_config, "--engine", "trace", "--seq-len", "128", "--lora-targets", "q_proj,k_proj")
     assert rc == 2
-    assert "--lora-targets q_proj,k_proj" in err and "query_key_value" in err and "Traceback" not in err
+    assert "lora.targets: q_proj,k_proj" in err and "query_key_value" in err and "Traceback" not in err
 
 
 def test_without_lora_targets_peft_default_for_the_model_type_is_modelled(capsys, tmp_path):

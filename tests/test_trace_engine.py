@@ -443,7 +443,7 @@ def test_any_architecture_transformers_builds():
 def test_lora_targets_the_model_lacks_name_what_it_has():
     neox = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=1000)
-    with pytest.raises(ConfigError, match="--lora-targets q_proj,k_proj.*query_key_value, dense"):
+    with pytest.raises(ConfigError, match="lora.targets: q_proj,k_proj.*query_key_value, dense"):
         trace_training_step(neox, TrainSetup(lora_targets=("q_proj", "k_proj"), seq_len_tokens=16))
 
 

@@ -133,6 +133,8 @@ def _load_errors(source: Any, folder: str | None, config: dict | None):
     except (FituneError, MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError, SafetensorError...
+        if folder is None and isinstance(source, dict):
+            raise  # a config given as a mapping (the trace engine): its callers word the error themselves
         raise ConfigError(_load_problem(str(source), folder, config, exc)) from exc
 
 
