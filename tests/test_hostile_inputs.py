@@ -291,6 +291,33 @@ def test_doctor_data_on_one_20000_turn_conversation_is_linear(tmp_path, tokenize
     assert "tokens per record: min 160000" in run.stdout
 
 
+
+def test_streaming_data_encodes_a_20000_turn_conversation_as_train_does(tmp_path, tokenizer_dir):
+    """`data.streaming`'s encoder keeps seq_len too: the long conversation is cut as `fitune train` cuts it, in
+    linear time (a subprocess with a timeout is the hang guard), and gives the same tokens as the reader."""
+    code = f"""
+import json, sys
+from transformers import AutoTokenizer
+from fitune.data.stream import StreamingBatches
+from fitune.data.encode import tokenize_records
+from fitune.data.read import read_records
+tok = AutoTokenizer.from_pretrained({tokenizer_dir!r})
+path = sys.argv[1]
+stream = StreamingBatches(path, "train", None, tok, None, seq_len_tokens=64, rows=1, pad_token_id=0, packed=False)
+streamed = stream.next_batch()
+read, _ = tokenize_records(list(read_records(path)), tok, None, 64)
+print(json.dumps({{"streamed": [int(t) for t in streamed.input_ids[0]], "read": list(read[0].input_ids)}}))
+"""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "the cat sat on the mat"} for i in range(20000)]
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", code, str(data)], capture_output=True, text=True, timeout=20,
+                         cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(out["read"]) == 64 and out["streamed"][:64] == out["read"]
+
 # ---- the generated corpus ---------------------------------------------------------------------------------------
 
 #: Value kinds, as YAML text after `key: ` (and after `--set KEY=`). Add a kind here and every place gets it.

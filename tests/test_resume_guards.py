@@ -294,3 +294,84 @@ def test_allow_changed_is_a_train_flag(tmp_path, monkeypatch):
     config.write_text(f"model: {folder}\ndata:\n  path: {data}\nmax_steps: 1\noutput_dir: {tmp_path / 'out'}\n")
     main(["train", str(config), "--allow-changed", "--no-progress"])
     assert seen.get("allow_changed") is True
+
+
+def test_allow_changed_reaches_every_rank_of_a_multi_gpu_launch(tmp_path, monkeypatch):
+    """`fitune train --gpus 2 --resume --allow-changed`: the torchrun command each rank runs carries the flag (each
+    rank checks the identity), and the CLI hands it to launch()."""
+    import fitune.parallel.launch as launch_mod
+    from fitune.parallel.launch import command
+
+    cmd = command("/tmp/c.yaml", 2, resume=True, overwrite=False, progress=False, allow_changed=True)
+    assert cmd[5:] == ["-m", "fitune", "train", "/tmp/c.yaml", "--resume", "--allow-changed", "--no-progress"]
+    assert "--allow-changed" not in command("/tmp/c.yaml", 2, resume=True, overwrite=False, progress=False)
+
+    seen = {}
+
+    def fake_launch(cfg, **kwargs):
+        seen.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    monkeypatch.setenv("FITUNE_CPU_RANKS", "1")  # two gloo ranks on the CPU: the launch path without GPUs
+    folder = make_model_folder(str(tmp_path / "model"))
+    data = make_chat_data(str(tmp_path / "train.jsonl"), n=4)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {folder}\ndata:\n  path: {data}\nmax_steps: 1\ngpus: 2\n"
+                      f"output_dir: {tmp_path / 'out'}\n")
+    assert main(["train", str(config), "--resume", "--allow-changed", "--no-progress"]) == 0
+    assert seen.get("allow_changed") is True and seen.get("resume") is True
+
+
+def _hub_snapshot(cache, kind: str, repo_id: str, commit: str, files: dict[str, bytes]) -> str:
+    """A Hub cache entry as huggingface_hub writes it: refs/main -> commit, snapshot files linked to blobs."""
+    import hashlib
+
+    repo = cache / f"{kind}--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for name, content in files.items():
+        blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
+        blob.write_bytes(content)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    return str(snapshot)
+
+
+def test_a_hub_model_and_data_set_are_identified_by_revision_and_blob(tmp_path, monkeypatch):
+    """A Hub id is no longer left out of the identity: a new revision of the model pulled into the cache, or a
+    different data set snapshot, is a change named on resume; the weights are not read (blob names)."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    _hub_snapshot(cache, "models", "acme/tiny", "a" * 40, {"config.json": b"{}", "model.safetensors": b"w1"})
+    _hub_snapshot(cache, "datasets", "acme/chat", "c" * 40, {"train.jsonl": b'{"text": "hi"}\n'})
+    first = identity.fingerprint("acme/tiny", "acme/chat")
+    import hashlib
+
+    assert first["base_weights"] == {"model.safetensors": "blob:" + hashlib.sha256(b"w1").hexdigest(),
+                                     "@revision": "a" * 40}
+    assert first["data"]["@revision"] == "c" * 40 and first["data"]["train.jsonl"].startswith("blob:")
+    assert identity.changes(first, identity.fingerprint("acme/tiny", "acme/chat")) == []
+
+    _hub_snapshot(cache, "models", "acme/tiny", "b" * 40, {"config.json": b"{}", "model.safetensors": b"w2"})
+    found = identity.changes(first, identity.fingerprint("acme/tiny", "acme/chat"))
+    assert found == ["the base model's weights changed since the run started (@revision, model.safetensors)"]
+    with pytest.raises(identity.ConfigError, match="--allow-changed"):
+        identity.check(first, identity.fingerprint("acme/tiny", "acme/chat"), allow_changed=False)
+
+
+def test_a_hub_model_downloaded_after_the_start_is_not_called_changed(tmp_path, monkeypatch):
+    """Not in the cache when the run started (downloaded at load): recorded as such, and not compared on resume."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    before = identity.fingerprint("acme/tiny", "")
+    assert before["base_weights"] == {"@revision": identity.NOT_CACHED}
+    _hub_snapshot(cache, "models", "acme/tiny", "a" * 40, {"model.safetensors": b"w1"})
+    assert identity.changes(before, identity.fingerprint("acme/tiny", "")) == []

@@ -128,7 +128,8 @@ def run(args) -> int:
     from ..report import maybe_write_html
 
     if needs_launch(cfg.setup):  # several GPUs or DeepSpeed: torchrun starts one rank per GPU (fitune/parallel)
-        code = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+        code = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+                      allow_changed=args.allow_changed)
         if code == 0:
             maybe_write_html(args, "train", cfg.output_dir)
         return code

@@ -60,7 +60,7 @@ class StreamingBatches:
         self.path, self.data_split, self.subset = path, split, subset
         self.seq_len_tokens, self.rows, self.pad_token_id, self.packed = seq_len_tokens, rows, pad_token_id, packed
         self._open = open_records or (lambda: iter_records(path, split, subset))
-        self._encoder = _Encoder(tokenizer)
+        self._encoder = _Encoder(tokenizer, seq_len_tokens)  # long conversations encoded in linear time, as in train
         self._chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.records_read = 0
         """Records taken from the source so far, over all epochs and re-openings (what streaming reads)."""

@@ -3,7 +3,7 @@
     fitune train run.yaml --gpus 4 --strategy fsdp     (the parent: resolves and validates the config once)
       torchrun's launcher, in the parent (elastic_launch), as this command would run it:
       python -m torch.distributed.run --standalone --nproc-per-node 4 \\
-          -m fitune train /tmp/fitune-ranks-XXXX.yaml [--resume] [--overwrite] [--no-progress]
+          -m fitune train /tmp/fitune-ranks-XXXX.yaml [--resume] [--allow-changed] [--overwrite] [--no-progress]
         rank r: `fitune train` on that config (torchrun's environment: it trains, joining the ranks in ranks.py)
 
 The ranks get the config the parent resolved (the file, --set and flags applied), written as YAML, so every rank
@@ -75,15 +75,18 @@ def preflight(cfg, resume: bool = False) -> None:
         raise ConfigError(problems)
 
 
-def command(config_path: str, num_gpus: int, resume: bool, overwrite: bool, progress: bool) -> list[str]:
-    """The torchrun command line that runs the ranks."""
+def command(config_path: str, num_gpus: int, resume: bool, overwrite: bool, progress: bool,
+            allow_changed: bool = False) -> list[str]:
+    """The torchrun command line that runs the ranks (each rank checks the run's identity on --resume, so
+    --allow-changed goes to every rank)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_gpus}",
            "-m", "fitune", "train", config_path]
-    return cmd + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else []) \
-        + ([] if progress else ["--no-progress"])
+    return cmd + (["--resume"] if resume else []) + (["--allow-changed"] if allow_changed else []) \
+        + (["--overwrite"] if overwrite else []) + ([] if progress else ["--no-progress"])
 
 
-def launch(cfg, resume: bool = False, overwrite: bool = False, progress: bool = True) -> int:
+def launch(cfg, resume: bool = False, overwrite: bool = False, progress: bool = True,
+           allow_changed: bool = False) -> int:
     """Run `cfg` as `cfg.setup.num_gpus` ranks with torchrun's launcher (in this process, as `command` would in a
     subprocess); returns 0, or the exit code of the first rank that failed (2: a config / checkpoint error,
     130: interrupted, after its checkpoint)."""
@@ -104,7 +107,7 @@ def launch(cfg, resume: bool = False, overwrite: bool = False, progress: bool = 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
                           signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # Ctrl-C goes to the ranks (_GracefulStop)
-    args = command(path, n, resume, overwrite, progress)[5:]  # ["-m", "fitune", "train", path, flags...]
+    args = command(path, n, resume, overwrite, progress, allow_changed)[5:]  # ["-m", "fitune", "train", path, flags...]
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process waits for the ranks' exit
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
