@@ -404,7 +404,7 @@ RESUME_APPLIES = frozenset({
     "merge", "report_to", "output_dir", "data.eval_path",
     # how a step is executed, not what it computes (the OOM guard changes these itself): memory only
     "grad_checkpointing", "attn", "loss", "tiled_mlp", "lean_lora", "lean_norm", "kernels", "expandable_segments",
-    "packing_attention", "oom_guard", "cap",
+    "packing_attention", "oom_guard", "cap", "compile", "offload_embeddings",
 })
 """Config keys a resumed run takes from the new config (and says so). Every other key (model, method, lora.*,
 dtype, data.path, data.format, batch_size, grad_accum, seq_len, schedule, warmup_steps, seed, optimizer, packing,
