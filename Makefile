@@ -46,7 +46,7 @@ install-test: install
 	fi
 
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -33,6 +33,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import grad_norm_probe, training_facts, write_record  # noqa: E402
+
 BATCH, SEQ = 2, int(os.environ.get("CLAIMS_SEQ", 2048))
 DEVICE = "cuda"
 
@@ -114,15 +116,17 @@ def run_case(model, record: dict, steps: int, compile_mode: str, out_path: str) 
     gc.collect()
     cuda().empty_cache()
     cuda().reset_peak_memory_stats()
-    times, steady_peak, steady_reserved = [], 0, 0
+    times, steady_peak, steady_reserved, losses = [], 0, 0, []
     first_s = None
+    probe = grad_norm_probe()
+    seen = probe.__enter__()  # the first step's trainable-gradient norm (its gradient check)
     try:
         for step in range(steps):
             if step == 2:
                 cuda().reset_peak_memory_stats()
             cuda().synchronize()
             t0 = time.perf_counter()
-            train_step(fwd, opt, [ids], recipe=True)
+            losses.append(train_step(fwd, opt, [ids], recipe=True, check_gradients=step == 0).loss)
             cuda().synchronize()
             times.append(time.perf_counter() - t0)
             if step == 0:
@@ -138,6 +142,7 @@ def run_case(model, record: dict, steps: int, compile_mode: str, out_path: str) 
     except Exception as exc:  # noqa: BLE001 - a failure is a result
         record.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:400]}")
     finally:
+        probe.__exit__(None, None, None)
         if compile_mode == "regional":
             for layer in layers_of(model):
                 layer._compiled_call_impl = None
@@ -145,8 +150,7 @@ def run_case(model, record: dict, steps: int, compile_mode: str, out_path: str) 
         torch._dynamo.reset()
         gc.collect()
         cuda().empty_cache()
-    with open(out_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    write_record(out_path, record, training=training_facts(losses, seen))
     print(json.dumps({k: v for k, v in record.items() if k != "step_times_s"}), flush=True)
 
 
@@ -164,25 +168,26 @@ def run_dataloader(model, record: dict, workers: int, pin: bool, steps: int, out
     gc.collect()
     cuda().empty_cache()
     cuda().reset_peak_memory_stats()
-    per_step, times = [], []
-    for (batch,) in loader:
-        t0 = time.perf_counter()
-        ids = batch.to(DEVICE, non_blocking=pin)
-        train_step(model, opt, [ids], recipe=True)
-        del ids
-        cuda().synchronize()
-        times.append(time.perf_counter() - t0)
-        free, total = cuda().mem_get_info()
-        per_step.append({"allocated_bytes": cuda().memory_allocated(), "reserved_bytes": cuda().memory_reserved(),
-                         "device_used_bytes": total - free, "peak_allocated_bytes": cuda().max_memory_allocated()})
+    per_step, times, losses = [], [], []
+    with grad_norm_probe() as seen:  # the first step's trainable-gradient norm (its gradient check)
+        for (batch,) in loader:
+            t0 = time.perf_counter()
+            ids = batch.to(DEVICE, non_blocking=pin)
+            losses.append(train_step(model, opt, [ids], recipe=True, check_gradients=not losses).loss)
+            del ids
+            cuda().synchronize()
+            times.append(time.perf_counter() - t0)
+            free, total = cuda().mem_get_info()
+            per_step.append({"allocated_bytes": cuda().memory_allocated(),
+                             "reserved_bytes": cuda().memory_reserved(), "device_used_bytes": total - free,
+                             "peak_allocated_bytes": cuda().max_memory_allocated()})
     record.update(status="ok", per_step=per_step, tokens_per_s=BATCH * SEQ / statistics.median(times[2:]),
                   peak_allocated_bytes=cuda().max_memory_allocated(),
                   peak_reserved_bytes=cuda().max_memory_reserved())
     del opt, loader
     gc.collect()
     cuda().empty_cache()
-    with open(out_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    write_record(out_path, record, training=training_facts(losses, seen))
     print(json.dumps({k: v for k, v in record.items() if k != "per_step"}), flush=True)
 
 

@@ -19,6 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import write_record  # noqa: E402
+
 #: a small Llama-shaped model: 4 layers, the 8B model's ratios (intermediate 3.5 x hidden, 4 query heads per KV head)
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=3584,
               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
@@ -78,8 +80,7 @@ def main() -> int:
                    "zero_grads_eager": sum(int(not g.any()) for g in ge.values()),
                    "zero_grads_compiled": sum(int(not g.any()) for g in gc.values()),
                    "versions": {"torch": torch.__version__}}
-            with open(args.out, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            write_record(args.out, rec)
             print(json.dumps(rec), flush=True)
     return 0
 

@@ -11,11 +11,12 @@ the layer's parameters, its input and the RoPE tables, and the total per token.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import write_record  # noqa: E402
 
 
 def saved_by_layer(model, layer, tokens: int, hidden: int, device: str, dtype) -> list[dict]:
@@ -71,8 +72,7 @@ def main() -> int:
         rec = {"model": args.model, "mode": mode, "tokens": args.tokens, "targets": args.targets,
                "device": args.device, "saved_bytes": total, "saved_bytes_per_token": total / args.tokens,
                "saved": saved, "torch": torch.__version__}
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        write_record(args.out, rec)
         print(mode, round(total / args.tokens), [(d["shape"], d["dtype"]) for d in saved][:16], flush=True)
         del model, layer
     return 0

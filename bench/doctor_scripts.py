@@ -33,6 +33,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import write_record  # noqa: E402
+
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1100, "max_position_embeddings": 1 << 16, "bos_token_id": 1, "eos_token_id": 2,
         "pad_token_id": None}
@@ -64,8 +66,7 @@ def run_all(scripts: list[str], out: str, timeout_s: float, child_args: list[str
         except subprocess.TimeoutExpired:
             rec = {"script": script, "status": "timeout", "timeout_s": timeout_s}
         rec["wall_s"] = round(time.time() - t0, 1)
-        with open(out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+        rec = write_record(out, rec)  # the doctor's findings on a script (its training steps are the script's own)
         print(json.dumps(rec), flush=True)
         records.append(rec)
     return records

@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import grad_norm_probe, training_facts, write_record  # noqa: E402
+
 QV = ["q_proj", "v_proj"]
 ALL = "all-linear"
 
@@ -138,12 +140,15 @@ class StepPeaks:
     after_step_allocated_bytes: int
     step_time_s: float
     saved_tensor_bytes: int | None = None
+    loss: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_recipe_steps(model, optimizer, ids, steps: int = 3, count_saved_on_last: bool = True) -> list[StepPeaks]:
+def run_recipe_steps(model, optimizer, ids, steps: int = 3, count_saved_on_last: bool = True,
+                     check_first: bool = False) -> list[StepPeaks]:
     """Run `steps` HF-recipe steps (fitune's runtime step with `recipe=True`: `model(input_ids=ids,
-    labels=ids).loss`, backward, AdamW step, zero_grad) and record the allocator counters of each phase."""
+    labels=ids).loss`, backward, AdamW step, zero_grad) and record the allocator counters of each phase.
+    `check_first`: the first step checks its gradients (where `bench.common.grad_norm_probe` reads their norm)."""
     import contextlib
 
     import torch
@@ -177,7 +182,8 @@ def run_recipe_steps(model, optimizer, ids, steps: int = 3, count_saved_on_last:
         cuda.synchronize()
         t0 = time.perf_counter()
         start = cuda.memory_allocated()
-        train_step(model, optimizer, [ids], recipe=True, phase=phase)
+        loss = train_step(model, optimizer, [ids], recipe=True, phase=phase,
+                          check_gradients=check_first and step == 0).loss
         cuda.synchronize()
         out.append(StepPeaks(
             step=step, start_allocated_bytes=start,
@@ -192,6 +198,7 @@ def run_recipe_steps(model, optimizer, ids, steps: int = 3, count_saved_on_last:
             after_step_allocated_bytes=counters["after_optimizer_allocated_bytes"],
             step_time_s=time.perf_counter() - t0,
             saved_tensor_bytes=None if saved is None else sum(n for p, n in saved.items() if p not in param_ptrs),
+            loss=loss,
         ))
     return out
 
@@ -251,17 +258,23 @@ def measure_steps(model, opt, ids, record: dict, steps: int, snapshot_path: str 
     before = torch.cuda.memory_stats()
     record["before_steps_allocated_bytes"] = torch.cuda.memory_allocated()
     record["before_steps_reserved_bytes"] = torch.cuda.memory_reserved()
-    if snapshot_path:
-        peaks = [] if trace_first_step else run_recipe_steps(model, opt, ids, steps=1, count_saved_on_last=False)
-        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-        peaks += run_recipe_steps(model, opt, ids, steps=steps - len(peaks))
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        with gzip.open(snapshot_path, "wt") as f:
-            json.dump(compact_snapshot(snapshot), f)
-        del snapshot
-    else:
-        peaks = run_recipe_steps(model, opt, ids, steps=steps)
+    probe = grad_norm_probe()
+    record["_grad_probe"] = probe.__enter__()  # the first step's trainable-gradient norm, for _record_case
+    try:
+        if snapshot_path:
+            peaks = [] if trace_first_step else run_recipe_steps(model, opt, ids, steps=1, count_saved_on_last=False,
+                                                                 check_first=True)
+            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+            peaks += run_recipe_steps(model, opt, ids, steps=steps - len(peaks), check_first=not peaks)
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with gzip.open(snapshot_path, "wt") as f:
+                json.dump(compact_snapshot(snapshot), f)
+            del snapshot
+        else:
+            peaks = run_recipe_steps(model, opt, ids, steps=steps, check_first=True)
+    finally:
+        probe.__exit__(None, None, None)
     stats = torch.cuda.memory_stats()
     record["num_alloc_retries"] = stats.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
     record["steps"] = [asdict(p) for p in peaks]
@@ -409,8 +422,9 @@ CAP: str | None = None  # the --cap of this run, recorded in every line
 def _record_case(out_path: str, record: dict, label: str) -> None:
     """Append one case's record (with the stack's versions) to `out_path` and print its line."""
     record["versions"] = _versions()
-    with open(out_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    training = training_facts([st["loss"] for st in record.get("steps", [])], record.pop("_grad_probe", None),
+                              why_none=record.get("error"))
+    write_record(out_path, record, training=training)
     msg = (f"peak {record['peak_allocated_bytes'] / 2**30:.2f} GiB alloc, "
            f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB reserved, {record['tokens_per_s']:.0f} tok/s"
            if record["ok"] else record["error"][:120])

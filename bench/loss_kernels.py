@@ -16,8 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import write_record  # noqa: E402
 
 
 def implementations(device: str) -> dict:
@@ -125,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             grad = rec.pop("_grad", None)
             if name == "chunked" and grad is not None:
                 reference = {"loss": rec["loss"], "grad": grad}
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+            write_record(args.out, rec)  # a kernel's loss and gradient against the reference: no training run
             print(json.dumps(rec), flush=True)
     return 0
 

@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
+from bench.common import cap_allocator, pop_training, timed_steps, training_step, write_record  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
 
@@ -83,7 +83,8 @@ def probe(args, spec, model, opt, seq: int, device: str) -> dict:
            "lora_targets": args.lora_targets, "batch_size": args.batch_size, "seq_len_tokens": seq, "cap": args.cap,
            "expandable_segments": args.stack == "fitune" and not args.no_expandable}
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, seq), device=device)
-    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune"), args.steps,
+    rec.update(timed_steps(lambda check_gradients: training_step(model, opt, ids, args.stack == "fitune",
+                                                                 check_gradients=check_gradients), args.steps,
                            args.batch_size * seq, device))
     rec.update(estimated(args, spec, seq))
     rec["host_rss_peak_bytes"] = _peak_rss_bytes()
@@ -188,8 +189,7 @@ def main() -> int:
         rec = probe(args, spec, model, opt, seq, args.device)
         if args.snapshot:
             write_snapshot(args.snapshot)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        write_record(args.out, rec, training=pop_training(rec))
         print(json.dumps({k: rec.get(k) for k in ("stack", "method", "seq_len_tokens", "fits", "tokens_per_s",
                                                   "peak_allocated_bytes", "peak_reserved_bytes",
                                                   "est_peak_allocated_bytes")}), flush=True)
@@ -200,9 +200,9 @@ def main() -> int:
             fits(seq)
         return 0
     best = search(fits, args.start, args.resolution, args.limit)
-    with open(args.out, "a") as f:
-        f.write(json.dumps({"stack": args.stack, "model": args.model, "method": args.method, "lora_rank": args.lora_rank,
-                            "lora_targets": args.lora_targets, "cap": args.cap, "max_seq_len_tokens": best}) + "\n")
+    write_record(args.out, {"stack": args.stack, "model": args.model, "method": args.method,  # the search's answer
+                            "lora_rank": args.lora_rank, "lora_targets": args.lora_targets, "cap": args.cap,
+                            "max_seq_len_tokens": best}, training=None)
     print(f"{args.stack} {args.method}: {best} tokens fit under {args.cap}", flush=True)
     return 0
 

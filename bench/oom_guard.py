@@ -30,6 +30,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import grad_norm_probe, training_facts, write_record  # noqa: E402
+
 
 def _gpu_doc(work: str, args) -> dict:
     from fitune.specs.model import load_model_spec
@@ -81,9 +83,8 @@ def _capper(oom_step: int, device: str, out_dir: str):
     return fault, state
 
 
-def _record(out_file, row: dict) -> None:
-    out_file.write(json.dumps(row) + "\n")
-    out_file.flush()
+def _record(path: str, row: dict, training: dict | None) -> None:
+    write_record(path, row, training=training)
     print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "micro_batch_size")}), flush=True)
 
 
@@ -107,60 +108,64 @@ def run(args) -> dict:
     base.update(max_steps=args.steps, save_every=1, keep_checkpoints=args.steps, oom_guard=True)
     k = args.oom_step
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a", encoding="utf-8") as out_file:
-        # ---- A: capped at step k mid-run ---------------------------------------------------------------------
-        a_dir = os.path.join(work, "A")
-        shutil.rmtree(a_dir, ignore_errors=True)
-        fault, cap = _capper(k, device, a_dir)
-        t0 = time.perf_counter()
-        result_a = train(config_from_dict({**base, "output_dir": a_dir}, "oom_guard A"), fault=fault, progress=False)
-        a = _step_lines(a_dir)
-        if device == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            torch.cuda.empty_cache()
-        _record(out_file, {"run": "A", "device": device, "model": base["model"], "steps": args.steps, "oom_step": k,
-                           "cap": cap, "plan_changes": result_a.plan.changes, "wall_s": time.perf_counter() - t0,
-                           "steps_logged": [line["step"] for line in a], "losses": [line["loss"] for line in a],
-                           "micro_batch_size": [line["micro_batch_size"] for line in a],
-                           "peak_allocated_bytes": [line["peak_allocated_bytes"] for line in a]})
-        del result_a
+    # ---- A: capped at step k mid-run ---------------------------------------------------------------------
+    a_dir = os.path.join(work, "A")
+    shutil.rmtree(a_dir, ignore_errors=True)
+    fault, cap = _capper(k, device, a_dir)
+    t0 = time.perf_counter()
+    with grad_norm_probe() as seen_a:  # the first step's trainable-gradient norm
+        result_a = train(config_from_dict({**base, "output_dir": a_dir}, "oom_guard A"), fault=fault,
+                         progress=False)
+    a = _step_lines(a_dir)
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    _record(args.out, {"run": "A", "device": device, "model": base["model"], "steps": args.steps, "oom_step": k,
+                       "cap": cap, "plan_changes": result_a.plan.changes, "wall_s": time.perf_counter() - t0,
+                       "steps_logged": [line["step"] for line in a], "losses": [line["loss"] for line in a],
+                       "micro_batch_size": [line["micro_batch_size"] for line in a],
+                       "peak_allocated_bytes": [line["peak_allocated_bytes"] for line in a]},
+            training_facts([line["loss"] for line in a], seen_a))
+    del result_a
 
-        # ---- B: the re-planned setup from A's checkpoint of step k-1 ------------------------------------------
-        b_dir = os.path.join(work, "B")
-        shutil.rmtree(b_dir, ignore_errors=True)
-        os.makedirs(os.path.join(b_dir, checkpoint.CHECKPOINTS))
-        shutil.copy(os.path.join(a_dir, "run.json"), b_dir)  # the same run identity: --resume takes it
-        start = checkpoint.checkpoint_dir(b_dir, k - 1)
-        shutil.copytree(checkpoint.checkpoint_dir(a_dir, k - 1), start)
-        final_a = checkpoint.read_state(checkpoint.checkpoint_dir(a_dir, args.steps))
-        state_file = os.path.join(start, "trainer_state.json")
-        state = json.load(open(state_file))
-        state["plan_changes"] = final_a["plan_changes"]  # started with the re-planned setup, not re-planning
-        with open(state_file, "w") as f:
-            json.dump(state, f)
-        checkpoint.reseal(start)  # the edit above is on purpose: its manifest follows it
-        t0 = time.perf_counter()
+    # ---- B: the re-planned setup from A's checkpoint of step k-1 ------------------------------------------
+    b_dir = os.path.join(work, "B")
+    shutil.rmtree(b_dir, ignore_errors=True)
+    os.makedirs(os.path.join(b_dir, checkpoint.CHECKPOINTS))
+    shutil.copy(os.path.join(a_dir, "run.json"), b_dir)  # the same run identity: --resume takes it
+    start = checkpoint.checkpoint_dir(b_dir, k - 1)
+    shutil.copytree(checkpoint.checkpoint_dir(a_dir, k - 1), start)
+    final_a = checkpoint.read_state(checkpoint.checkpoint_dir(a_dir, args.steps))
+    state_file = os.path.join(start, "trainer_state.json")
+    state = json.load(open(state_file))
+    state["plan_changes"] = final_a["plan_changes"]  # started with the re-planned setup, not re-planning
+    with open(state_file, "w") as f:
+        json.dump(state, f)
+    checkpoint.reseal(start)  # the edit above is on purpose: its manifest follows it
+    t0 = time.perf_counter()
+    with grad_norm_probe() as seen_b:  # B's first step (k) is the first this process trains
         train(config_from_dict({**base, "output_dir": b_dir}, "oom_guard B"), resume=True, progress=False)
-        b = _step_lines(b_dir)
-        _record(out_file, {"run": "B", "device": device, "model": base["model"], "resumed_from_step": k - 1,
-                           "plan_changes": final_a["plan_changes"], "wall_s": time.perf_counter() - t0,
-                           "steps_logged": [line["step"] for line in b], "losses": [line["loss"] for line in b],
-                           "micro_batch_size": [line["micro_batch_size"] for line in b],
-                           "peak_allocated_bytes": [line["peak_allocated_bytes"] for line in b]})
+    b = _step_lines(b_dir)
+    _record(args.out, {"run": "B", "device": device, "model": base["model"], "resumed_from_step": k - 1,
+                       "plan_changes": final_a["plan_changes"], "wall_s": time.perf_counter() - t0,
+                       "steps_logged": [line["step"] for line in b], "losses": [line["loss"] for line in b],
+                       "micro_batch_size": [line["micro_batch_size"] for line in b],
+                       "peak_allocated_bytes": [line["peak_allocated_bytes"] for line in b]},
+            training_facts([line["loss"] for line in b], seen_b))
 
-        # ---- compare steps k..N ----------------------------------------------------------------------------
-        after_a = {line["step"]: line["loss"] for line in a if line["step"] >= k}
-        after_b = {line["step"]: line["loss"] for line in b if line["step"] >= k}
-        diffs = [abs(after_a[s] - after_b[s]) for s in after_a if s in after_b]
-        compare = {"run": "compare", "device": device, "oom_step": k,
-                   "a_steps_once": [line["step"] for line in a] == list(range(1, args.steps + 1)),
-                   "replanned": bool(final_a["plan_changes"]) and final_a["plan_changes"][0]["step"] == k,
-                   "same_steps": sorted(after_a) == sorted(after_b) == list(range(k, args.steps + 1)),
-                   "max_abs_loss_diff": max(diffs) if diffs else None,
-                   "max_rel_loss_diff": max((d / abs(after_b[s]) for d, s in zip(diffs, sorted(after_b))),
-                                            default=None),
-                   "equal": diffs == [0.0] * len(diffs) and bool(diffs)}
-        _record(out_file, compare)
+    # ---- compare steps k..N ----------------------------------------------------------------------------
+    after_a = {line["step"]: line["loss"] for line in a if line["step"] >= k}
+    after_b = {line["step"]: line["loss"] for line in b if line["step"] >= k}
+    diffs = [abs(after_a[s] - after_b[s]) for s in after_a if s in after_b]
+    compare = {"run": "compare", "device": device, "oom_step": k,
+               "a_steps_once": [line["step"] for line in a] == list(range(1, args.steps + 1)),
+               "replanned": bool(final_a["plan_changes"]) and final_a["plan_changes"][0]["step"] == k,
+               "same_steps": sorted(after_a) == sorted(after_b) == list(range(k, args.steps + 1)),
+               "max_abs_loss_diff": max(diffs) if diffs else None,
+               "max_rel_loss_diff": max((d / abs(after_b[s]) for d, s in zip(diffs, sorted(after_b))),
+                                        default=None),
+               "equal": diffs == [0.0] * len(diffs) and bool(diffs)}
+    _record(args.out, compare, training=None)  # A against B: no run of its own
     return compare
 
 

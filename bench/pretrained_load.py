@@ -53,6 +53,8 @@ if ROOT not in sys.path:
 
 import yaml  # noqa: E402
 
+from bench.common import code_version, grad_norm_probe, training_facts, write_record  # noqa: E402
+
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -85,19 +87,9 @@ STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 def provenance() -> dict:
-    """The code that ran: FITUNE_COMMIT / FITUNE_DIFF_SHA256 when set (a copy without .git), else git's answer."""
-    if os.environ.get("FITUNE_COMMIT"):
-        prov = {"commit": os.environ["FITUNE_COMMIT"], "diff_sha256": os.environ.get("FITUNE_DIFF_SHA256", ""),
-                "provenance_from": "env"}
-    else:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip()
-            diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-            prov = {"commit": commit, "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else "",
-                    "provenance_from": "git"}
-        except (OSError, subprocess.CalledProcessError):
-            prov = {"commit": None, "diff_sha256": None, "provenance_from": "none (no git checkout, no FITUNE_COMMIT)"}
+    """The code that ran (bench.common.code_version: FITUNE_COMMIT / FITUNE_DIFF_SHA256 when set, a copy without
+    .git, else git's answer), and the sha256 of fitune/runtime/model.py."""
+    prov = code_version()
     with open(os.path.join(ROOT, "fitune", "runtime", "model.py"), "rb") as f:
         prov["runtime_model_sha256"] = hashlib.sha256(f.read()).hexdigest()
     return prov
@@ -447,8 +439,10 @@ def child_main(case_dir: str, config: str) -> int:
 
     runtime_model.build_model_for_setup = build_and_measure  # train/loop.py imports it from the module at call time
     error = None
+    seen: dict = {}
     try:
-        code = fitune_main(["train", config, "--no-progress"])
+        with grad_norm_probe() as seen:  # the first step's trainable-gradient norm
+            code = fitune_main(["train", config, "--no-progress"])
     except Exception as exc:  # noqa: BLE001 - recorded (an OOM outside the guard, a loading error)
         import traceback
 
@@ -463,6 +457,8 @@ def child_main(case_dir: str, config: str) -> int:
     rec = {"load": load or None, "child_exit": code, **({"error": error} if error else {}),
            **step_peaks(cfg["output_dir"])}
     rec["versions"] = versions()
+    rec["training"] = training_facts([s["loss"] for s in rec["steps"] if s.get("loss") is not None], seen,
+                                     why_none=error or f"fitune train exited {code} before it")
     with open(os.path.join(case_dir, "record.json"), "w") as f:
         json.dump(rec, f)
     return code
@@ -518,8 +514,10 @@ def main(argv=None) -> int:
 
     for case in cases:
         rec = run_case(case, args, folder, facts, data, prov)
-        with open(os.path.join(args.out, "pretrained_load.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        training = rec.pop("training", None) or training_facts(  # killed before record.json: its steps so far
+            [s["loss"] for s in rec.get("steps", []) if s.get("loss") is not None], None,
+            why_none=f"the training process ended ({rec.get('exit')}) without saying")
+        write_record(os.path.join(args.out, "pretrained_load.jsonl"), rec, training=training)
         brief = {k: rec.get(k) for k in ("case", "exit", "peak_allocated_bytes", "est_peak_allocated_bytes",
                                          "step_allocated_over_est", "peak_reserved_bytes", "est_peak_reserved_bytes")}
         if rec.get("load"):

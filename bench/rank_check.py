@@ -20,6 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import probed_fitune_cmd, training_facts, write_record  # noqa: E402
+
 import yaml  # noqa: E402
 
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
@@ -73,14 +75,17 @@ def main() -> int:
     for n, planned in enumerate(plans[:args.plans], 1):
         path, cfg = write_plan_config(work, args.workload, n, args.steps, args.cap)
         model = cfg["model"]
+        probe = os.path.join(work, f"grad_norm_{n}.json")  # the child's first-step trainable-gradient norm
+        probed, env = probed_fitune_cmd(probe)
         try:
-            proc = subprocess.run(fitune + ["train", path, "--no-progress"], capture_output=True, text=True,
-                                  timeout=args.timeout)
+            proc = subprocess.run(probed + ["train", path, "--no-progress"], capture_output=True, text=True,
+                                  timeout=args.timeout, env=env)
             code, tail = proc.returncode, proc.stdout[-800:] + proc.stderr[-1500:]
         except subprocess.TimeoutExpired as exc:
             code, tail = "timeout", str(exc)[-800:]
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        losses = [s["loss"] for s in steps if "loss" in s]
         steps = [s for s in steps if "tokens_per_s" in s]
         record = {"workload": args.workload, "model": model, "plan": n, "setup": planned["setup"],
                   "predicted_tokens_per_s": planned["tokens_per_s"], "exit": code, "steps": len(steps),
@@ -89,8 +94,8 @@ def main() -> int:
                   "peak_allocated_bytes": max((s["peak_allocated_bytes"] or 0 for s in steps), default=None),
                   "peak_reserved_bytes": max((s["peak_reserved_bytes"] or 0 for s in steps), default=None),
                   "micro_batch_sizes": sorted({s["micro_batch_size"] for s in steps}), "log_tail": tail}
-        with open(os.path.join(args.out, "rank_check.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        write_record(os.path.join(args.out, "rank_check.jsonl"), record,
+                     training=training_facts(losses, probe, why_none=f"fitune train exited {code} before it"))
         print(json.dumps({k: v for k, v in record.items() if k not in ("setup", "log_tail")}), flush=True)
     return 0
 

@@ -37,6 +37,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import grad_norm_probe, pop_training, training_facts, write_record  # noqa: E402
+
 from fitune.setup import TrainSetup  # noqa: E402
 
 LEAN_NORM_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -97,18 +99,23 @@ def run_case(model_base, spec, setup: TrainSetup, steps: int, device: str = "cud
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, rec = [], {}
+    times, rec, losses = [], {}, []
+    probe = grad_norm_probe()
+    seen = probe.__enter__()  # the first step checks its gradients; the probe reads their norm
     try:
         for _ in range(steps):
             sync()
             t0 = time.perf_counter()
-            train_step(model, opt, micro, loss=setup.loss)
+            losses.append(train_step(model, opt, micro, loss=setup.loss, check_gradients=not losses).loss)
             sync()
             times.append(time.perf_counter() - t0)
         tokens = setup.batch_size * setup.grad_accum * setup.seq_len_tokens
         rec.update(ok=True, tokens_per_s=tokens / statistics.median(times[2:]))
     except Exception as exc:  # noqa: BLE001 - an OOM is a result; anything else too, recorded, next case
         rec.update(ok=False, oom=is_oom(exc), error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    finally:
+        probe.__exit__(None, None, None)
+    rec.update(training_facts(losses, seen, why_none=rec.get("error")))
     rec["step_times_s"] = [round(t, 5) for t in times]
     if cuda:
         rec.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(),
@@ -170,8 +177,7 @@ def main() -> int:
                "build_s": round(built_s, 1), "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
         rec.update(run_case(base, spec, setup, args.steps, args.device))
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        write_record(args.out, rec, training=pop_training(rec))
         s = setup
         print(json.dumps({"model": args.model, "group": args.group, "ckpt": s.grad_checkpointing, "loss": s.loss,
                           "shape": f"{s.batch_size}x{s.grad_accum}x{s.seq_len_tokens}", "tiled": s.tiled_mlp,

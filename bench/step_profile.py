@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import grad_norm_probe, training_facts, write_record  # noqa: E402
+
 KINDS = (  # the first pattern a kernel's name matches names its kind
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|splitk|sm90_|sm80_|ampere_"),
@@ -144,10 +146,11 @@ def main() -> int:
         import contextlib
 
         ctx = contextlib.nullcontext()
-    with ctx:
+    with ctx, grad_norm_probe() as seen:  # seen: the first step's trainable-gradient norm
         code = fitune_main(["train", path, "--no-progress"])
     metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
     steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    losses = [s["loss"] for s in steps if "loss" in s]
     steps = [s for s in steps if "tokens_per_s" in s]
     record = {"workload": args.workload, "name": name, "pick": args.pick, "set": args.set,
               "sdpa_first": args.sdpa_first, "exit": code, "steps": len(steps),
@@ -160,8 +163,8 @@ def main() -> int:
               "versions": {"torch": torch.__version__}}
     if "wall_s" in state:
         record.update(summarize(trace_path, state["wall_s"], args.profile_steps))
-    with open(os.path.join(args.out, "step_profile.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    write_record(os.path.join(args.out, "step_profile.jsonl"), record,
+                 training=training_facts(losses, seen, why_none=f"fitune train exited {code} before it"))
     print(json.dumps({k: v for k, v in record.items() if k != "top_kernels"}), flush=True)
     return 0
 

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import cap_allocator, timed_steps, training_step  # noqa: E402
+from bench.common import cap_allocator, pop_training, timed_steps, training_step, write_record  # noqa: E402
 from fitune.specs.model import load_model_spec  # noqa: E402
 
 
@@ -78,7 +78,8 @@ def measure(args, spec, base, variant: dict, device: str) -> dict:
     opt = build_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, spec.vocab_size, (args.batch_size, args.seq_len), device=device)
     micro = variant.get("micro_batch_size")
-    rec.update(timed_steps(lambda: training_step(model, opt, ids, args.stack == "fitune", micro), args.steps,
+    rec.update(timed_steps(lambda check_gradients: training_step(model, opt, ids, args.stack == "fitune", micro,
+                                                                 check_gradients), args.steps,
                            args.batch_size * args.seq_len, device))
     if ckpt != "none":
         set_checkpointing(model, False)
@@ -115,8 +116,7 @@ def main() -> int:
     selective = [int(k) for k in args.selective.split(",") if k]
     for variant in variants(args.stack, selective):
         rec = measure(args, spec, base, variant, args.device)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        write_record(args.out, rec, training=pop_training(rec))
         print(json.dumps({k: rec.get(k) for k in ("stack", "kernels", "grad_checkpointing", "micro_batch_size",
                                                   "fits", "tokens_per_s",
                                                   "peak_allocated_bytes", "peak_reserved_bytes",

@@ -45,13 +45,11 @@ import argparse
 import contextlib
 import functools
 import gc
-import hashlib
 import json
 import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +58,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from bench.common import code_version, training_facts, write_record  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 SMOKE_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -108,19 +108,9 @@ SMOKE_STEPS = 10
 
 
 def provenance() -> dict:
-    """The code that ran: git's commit and the sha256 of `git diff HEAD` ("" when clean); FITUNE_COMMIT /
-    FITUNE_DIFF_SHA256 where the copy has no .git."""
-    if os.environ.get("FITUNE_COMMIT"):
-        return {"commit": os.environ["FITUNE_COMMIT"], "diff_sha256": os.environ.get("FITUNE_DIFF_SHA256", ""),
-                "provenance_from": "env"}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-        return {"commit": commit, "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else "",
-                "provenance_from": "git"}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "diff_sha256": None, "provenance_from": "none (no git checkout, no FITUNE_COMMIT)"}
+    """The code that ran (bench.common.code_version): git's commit and the sha256 of `git diff HEAD` ("" when
+    clean); FITUNE_COMMIT / FITUNE_DIFF_SHA256 where the copy has no .git."""
+    return code_version()
 
 
 def versions() -> dict:
@@ -344,9 +334,8 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def append(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def append(path: str, record: dict, training: dict) -> None:
+    write_record(path, record, training=training)
     print(json.dumps({k: record.get(k) for k in ("case", "verdict", "max_rel_diff", "tolerance", "wall_s")}),
           flush=True)
 
@@ -438,7 +427,8 @@ def main(argv=None) -> int:
                               "loss_repeat": repeat["loss"], "loss_ulp": ulp["loss"], "noise_repeat": noise_repeat,
                               "noise_ulp": noise_ulp, "noise": noise, "tolerance": noises[stream][1],
                               "first_grad_norm_reference": refs[stream]["first_grad_norm"],
-                              "verdict": "measured", "wall_s": time.perf_counter() - t0})
+                              "verdict": "measured", "wall_s": time.perf_counter() - t0},
+                   training_facts(refs[stream]["loss"], {"first_step_grad_norm": refs[stream]["first_grad_norm"]}))
             del repeat, ulp
 
         for name in names:
@@ -448,7 +438,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             if stream not in refs:
                 rec.update(verdict="skipped", why=f"the {stream} reference needs a CUDA GPU (bitsandbytes NF4)")
-                append(out_path, rec)
+                append(out_path, rec, training_facts([], None, why_none=rec["why"]))
                 continue
             ref = refs[stream]
             try:
@@ -456,7 +446,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - one case's failure is a result; the others still run
                 rec.update(verdict="error", error=f"{type(exc).__name__}: {exc}"[:2000],
                            traceback=traceback.format_exc()[-3000:], wall_s=time.perf_counter() - t0)
-                append(out_path, rec)
+                append(out_path, rec, training_facts([], None, why_none=rec["error"][:300]))
                 free(args.device)
                 continue
             finally:
@@ -475,7 +465,7 @@ def main(argv=None) -> int:
                        wall_s=time.perf_counter() - t0)
             grads_ok = bool(ours["first_grad_norm"]) and ours["first_grad_norm"] > 0
             rec["verdict"] = "pass" if max(diffs) <= tolerance and grads_ok else "FAIL"
-            append(out_path, rec)
+            append(out_path, rec, training_facts(ours["loss"], {"first_step_grad_norm": ours["first_grad_norm"]}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -16,6 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import probed_fitune_cmd, provenance, training_facts, write_record  # noqa: E402
+
 import yaml  # noqa: E402
 
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
@@ -58,14 +60,21 @@ def main() -> int:
         path = os.path.join(work, f"{name}.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
-        cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]
+        probe = os.path.join(work, f"{name}_grad_norm.json")  # the child's first-step trainable-gradient norm
+        probed, env = probed_fitune_cmd(probe)
+        cmd = [*probed, "train", path, "--no-progress"]
         print("###", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
-        with open(os.path.join(args.out, f"train_{name}.jsonl"), "w") as f:
-            for line in lines:
-                f.write(json.dumps({"run": name, **line}) + "\n")
+        out = os.path.join(args.out, f"train_{name}.jsonl")
+        if os.path.exists(out):
+            os.remove(out)  # one run's lines per file, as before
+        facts = training_facts([line["loss"] for line in lines if "loss" in line], probe,
+                               why_none=f"fitune train exited {proc.returncode} before it")
+        prov = provenance()  # once for the run's lines
+        for line in lines:  # one line per step, each with the run's provenance and facts
+            write_record(out, {"run": name, **line}, training=facts, prov=prov)
         print(proc.stdout[-2000:], proc.stderr[-3000:], f"exit {proc.returncode}", flush=True)
     return 0
 

@@ -31,6 +31,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.common import probed_fitune_cmd, training_facts, write_record  # noqa: E402
+
 import yaml  # noqa: E402
 
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
@@ -106,6 +108,12 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - the run still counts without an estimate
             record["estimate_error"] = repr(exc)
         cmd = [sys.executable, "-m", "fitune", "train", path, "--no-progress"]
+        probe, env = os.path.join(work, f"{name}.grad_norm.json"), None
+        if os.path.exists(probe):
+            os.remove(probe)
+        if strategy == "none" and name not in traced:  # one process trains: it reads its first-step gradient norm
+            probed, env = probed_fitune_cmd(probe)
+            cmd = [*probed, "train", path, "--no-progress"]
         summary = os.path.join(args.out, f"{name}.memory.json")
         if os.path.exists(summary):
             os.remove(summary)  # an earlier bench's: never read as this run's
@@ -119,7 +127,7 @@ def main() -> int:
         with open(log_path, "w") as log:
             try:
                 record["exit"] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                timeout=args.timeout).returncode
+                                                timeout=args.timeout, env=env).returncode
             except subprocess.TimeoutExpired:
                 record["exit"] = "timeout"
         with open(log_path, errors="replace") as log:
@@ -134,6 +142,7 @@ def main() -> int:
         record["max_child_rss_bytes"] = after * 1024 if after > before else None  # None: not above an earlier run
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        losses = [s["loss"] for s in steps if "loss" in s]
         steps = [s for s in steps if "tokens_per_s" in s]
         record["steps"] = steps
         if steps:
@@ -142,8 +151,10 @@ def main() -> int:
             record["peak_allocated_bytes"] = max(s["peak_allocated_bytes"] or 0 for s in steps)
             record["peak_reserved_bytes"] = max(s["peak_reserved_bytes"] or 0 for s in steps)
         record["log_tail"] = tail[-4000:]
-        with open(results, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        why = (f"fitune train exited {record['exit']} before it" if env is not None else
+               "not read: the step ran in a rank process fitune launched, or under the memory-history wrapper "
+               "(and DeepSpeed's ZeRO keeps the gradients in its own buffers)")
+        write_record(results, record, training=training_facts(losses, probe, why_none=why))
         print(json.dumps({k: record.get(k) for k in ("run", "exit", "wall_s", "tokens_per_s_median",
                                                      "peak_allocated_bytes", "peak_reserved_bytes",
                                                      "estimate_peak_allocated_bytes", "memory_history")}),

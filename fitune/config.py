@@ -23,7 +23,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .data.formats import FORMAT_ALIASES as _FORMAT_ALIASES, FORMATS as DATA_FORMATS
+from .datasource import FORMAT_ALIASES as _FORMAT_ALIASES, FORMATS as DATA_FORMATS
 from .errors import ConfigError
 from .schema import (Key, Problems, key, keys_of, label, to_mapping, values_from_args, values_from_mapping)
 from .setup import SETUP_KEYS, TrainSetup
@@ -157,7 +157,7 @@ class TrainConfig:
             problems += [f"{name('output_dir')} {p}" for p in _output_dir_problems(self.output_dir)]
         for f, path in (("path", self.data.path), ("eval_path", self.data.eval_path)):
             if path and os.path.exists(path):
-                from .data.read import data_path_problem
+                from .datasource import data_path_problem
 
                 problem = data_path_problem(path)
                 if problem is None and os.path.isfile(path) and os.path.getsize(path) == 0:
@@ -182,7 +182,7 @@ def _path_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
     """model:, data.eval_path: and tokenizer: as paths (data.path: `_data_problems`). A relative path the config
     file gave that is missing here says where it was looked for (`relative_path_note`); `from_file(field)`: the
     config's folder when the field's value came from the config file."""
-    from .data.encode import tokenizer_source_problem
+    from .datasource import tokenizer_source_problem
 
     def note(f: str, path: str | None) -> str:
         return relative_path_note(path, from_file(f))
@@ -206,8 +206,7 @@ def _path_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
 def _data_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
     """data.path (a local source, or a Hub data set id ORG/NAME) and what streaming needs. `from_file(field)`: the
     config's folder when the field's value came from the config file."""
-    from .data.hub import is_hub_id
-    from .data.read import SUFFIXES
+    from .datasource import SUFFIXES, is_hub_id
 
     data = cfg.data
     problems = []
@@ -296,19 +295,11 @@ def _has_tokenizer(model: str) -> bool:
     return os.path.isdir(model) or os.path.isfile(model) and is_gguf_path(model) or is_hub_id(model)
 
 
-def preflight_problems(cfg: "TrainConfig") -> list[str]:
-    """What stops `fitune train`, every problem at once, said before anything loads (torch, the tokenizer, the
-    data, the model) rather than after:
-
-    - the model: a folder (or a Hub id's cached snapshot) without config.json, or without a weights file for init:
-      pretrained; a Hub id (model or tokenizer) that is not cached while HF_HUB_OFFLINE is set (a config naming
-      such a model is still valid: the files may be downloaded later);
-    - the machine: options that need a CUDA GPU it lacks, every missing package (one pip command for all:
-      `fitune.runtime.needs`), and for several GPUs or DeepSpeed what `fitune.parallel.launch.preflight` checks;
-    - the data: the first records of data.path and data.eval_path against data.format
-      (`fitune.data.encode.check_first_records`).
-    """
-    return _model_folder_problems(cfg) + _tokenizer_problems(cfg) + _machine_problems(cfg) + _data_peek_problems(cfg)
+def source_problems(cfg: "TrainConfig") -> list[str]:
+    """The model folder (or a Hub id's cached snapshot: config.json, weights for init: pretrained) and a tokenizer:
+    Hub id that is not cached while HF_HUB_OFFLINE is set: the part of `fitune train`'s preflight
+    (`fitune.train.preflight.preflight_problems`) that needs nothing above the spine."""
+    return _model_folder_problems(cfg) + _tokenizer_problems(cfg)
 
 
 def _tokenizer_problems(cfg: "TrainConfig") -> list[str]:
@@ -338,49 +329,6 @@ def _model_folder_problems(cfg: "TrainConfig") -> list[str]:
         return [f"model: {where} holds no weights (no .safetensors or .bin file); download the model's weights "
                 "into it, or use init: random (and tokenizer:) for a smoke run"]
     return []
-
-
-def _machine_problems(cfg: "TrainConfig") -> list[str]:
-    """Options this machine cannot run (a CUDA GPU, packages: `fitune.runtime.needs`), and for several GPUs or
-    DeepSpeed the launcher's own checks (GPU count, DeepSpeed installed, the strategy's methods)."""
-    from .parallel.launch import needs_launch, preflight
-    from .runtime.needs import flash_dtype_problem, has_module, machine_problems, needs_of
-
-    needs = needs_of(cfg.setup, cfg.report_to)
-    on_cuda = _runs_on_cuda(cfg.setup) if any(n.cuda for n in needs) else True  # torch imported only if needed
-    problems = machine_problems(needs, on_cuda)
-    if cfg.setup.attn == "flash" and flash_dtype_problem(cfg.setup.dtype):
-        problems.append(flash_dtype_problem(cfg.setup.dtype))
-    if needs_launch(cfg.setup) and has_module("torch"):  # (without torch, the missing package is the problem)
-        try:
-            preflight(cfg)
-        except ConfigError as exc:
-            problems += exc.problems
-    return problems
-
-
-def _runs_on_cuda(s: TrainSetup) -> bool:
-    """Whether `fitune train` runs `s` on a CUDA GPU here: torch sees one, and the run is not a CPU rehearsal of
-    several ranks (FITUNE_CPU_RANKS=1: fitune/parallel/ranks.py trains them on the CPU). Imports torch."""
-    from .parallel import CPU_RANKS_ENV, ZERO_STRATEGIES
-    from .runtime.needs import cuda_available
-
-    rehearsal = os.environ.get(CPU_RANKS_ENV) == "1" and (s.num_gpus > 1 or s.strategy in ZERO_STRATEGIES)
-    return not rehearsal and cuda_available()
-
-
-def _data_peek_problems(cfg: "TrainConfig") -> list[str]:
-    """The first records of each local data file read and checked against data.format (no tokenizer needed)."""
-    from .data.encode import check_first_records
-    from .errors import DataError
-
-    problems = []
-    for path in dict.fromkeys(p for p in (cfg.data.path, cfg.data.eval_path) if p and os.path.isfile(p)):
-        try:
-            check_first_records(path, cfg.data.format, split=cfg.data.split, subset=cfg.data.subset)
-        except DataError as exc:
-            problems.append(str(exc))
-    return problems
 
 
 def trained_positions(hf_config: dict) -> int | None:

@@ -167,36 +167,24 @@ class TrainSetup:
 
         `origin` says where each field's value came from ("flag" or "yaml"; default: flag), so that a problem
         names `--lora-rank` on the command line and `lora.rank:` in a config file."""
-        problems: list[str] = []
         by_field = {k.field: k for k in SETUP_KEYS}
 
         def name(f: str) -> str:
             return label(by_field[f], (origin or {}).get(f, "flag"))
 
-        def turned_on(f: str) -> str:  # an on/off key as the user writes it on: `--lean-lora` / `lean_lora: true`
-            return name(f) if name(f).startswith("--") else f"{name(f)} true"
+        problems: list[str] = []
+        problems += _value_problems(self, name, num_layers)
+        problems += self._checkpointing_problems(name, num_layers)
+        problems += _lora_problems(self, name, hidden_size, linear_names)
+        problems += _runner_technique_problems(self, name)
+        problems += _combination_problems(self, name)
+        if problems:
+            raise ConfigError(problems)
+        return self
 
-        def one_of(f: str, value, allowed):
-            if value not in allowed:
-                problems.append(f"{name(f)} {value!r} is not one of: {', '.join(allowed)}")
-
-        one_of("method", self.method, METHODS)
-        one_of("dtype", self.dtype, DTYPES)
-        one_of("attn", self.attn, ATTNS)
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
-        one_of("loss", self.loss, LOSSES)
-        one_of("stack", self.stack, STACKS)
-        one_of("strategy", self.strategy, STRATEGIES)
-        for f in ("batch_size", "seq_len_tokens", "grad_accum", "freeze_trainable_layers", "num_gpus"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"{name(f)} must be a positive integer, got {value!r}")
-        if not isinstance(self.lora_dropout, (int, float)) or not 0 <= self.lora_dropout < 1:
-            problems.append(f"{name('lora_dropout')} must be at least 0 and below 1, got {self.lora_dropout!r}")
-        if (self.method == "freeze" and num_layers is not None and isinstance(self.freeze_trainable_layers, int)
-                and self.freeze_trainable_layers > num_layers):
-            problems.append(f"{name('freeze_trainable_layers')} {self.freeze_trainable_layers} is more than the "
-                            f"model's {num_layers} layers (use method full to train them all)")
+    def _checkpointing_problems(self, name, num_layers: int | None) -> list[str]:
+        """grad_checkpointing: one of the modes; selective:K with K a whole number of the model's layers."""
+        problems: list[str] = []
         mode = self.checkpointed_layers_mode
         if mode not in ("none", "full", "offload", "selective"):
             problems.append(f"{name('grad_checkpointing')} {self.grad_checkpointing!r} is not one of: "
@@ -209,62 +197,122 @@ class TrainSetup:
             elif num_layers is not None and not 0 <= int(k_text) <= num_layers:
                 problems.append(f"{name('grad_checkpointing')} {self.grad_checkpointing!r}: K must be between 0 and "
                                 f"the model's {num_layers} layers")
-        if self.method in ("lora", "qlora"):
-            if not isinstance(self.lora_rank, int) or self.lora_rank < 1:
-                problems.append(f"{name('lora_rank')} must be a positive integer, got {self.lora_rank!r}")
-            elif hidden_size is not None and self.lora_rank > hidden_size:
-                problems.append(f"{name('lora_rank')} {self.lora_rank} is above the model's hidden size {hidden_size}; "
-                                "a LoRA rank is a small number (8-128)")
-            if not self.lora_targets:
-                problems.append(f"{name('lora_targets')} is empty; name modules (q_proj,v_proj) or use all-linear")
-            elif linear_names is not None and not self.all_linear:
-                unknown = [t for t in self.lora_targets if t not in linear_names]
-                if unknown:
-                    problems.append(unknown_targets_problem(name("lora_targets"), unknown, linear_names))
-        if self.loss == "chunked" and self.stack == "hf":
-            problems.append(f"{name('loss')} chunked is a technique of fitune's runner; a plain transformers script "
-                            f"computes full logits: use {name('stack')} fitune with it (or {name('loss')} hf)")
-        for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments", "offload_embeddings"):
-            if getattr(self, f) and self.stack == "hf":
-                problems.append(f"{name(f)} is a technique of fitune's runner: use {name('stack')} fitune with it")
-        one_of("kernels", self.kernels, KERNELS)
-        if self.kernels == "liger" and self.stack == "hf":
-            problems.append(f"{name('kernels')} liger is a technique of fitune's runner: use {name('stack')} fitune "
-                            "with it")
-        if self.kernels == "liger" and self.lean_norm:
-            problems.append(f"{name('kernels')} liger and {name('lean_norm')} both replace RMSNorm: keep one "
-                            "(Liger's is faster, the lean one works without a GPU)")
-        one_of("compile", self.compile, COMPILES)
-        if self.compile == "layers":
-            if self.stack == "hf":
-                problems.append(f"{name('compile')} layers is a technique of fitune's runner: use {name('stack')} "
-                                "fitune with it")
-            if self.kernels == "liger" or self.lean_norm:
-                problems.append(f"{name('compile')} layers fuses RMSNorm, RoPE and SwiGLU itself: drop "
-                                f"{name('kernels')} liger / {name('lean_norm')} (the compiled layer was measured "
-                                "without them)")
-            if self.tiled_mlp or self.checkpointed_layers_mode == "offload":
-                problems.append(f"{name('compile')} layers was not measured with {name('tiled_mlp')} or offloaded "
-                                f"checkpointing: turn those off, or use {name('compile')} none")
-            if self.method in ("lora", "qlora") and not self.lean_lora:
-                problems.append(f"{name('compile')} layers is modelled with the lean LoRA branch: add "
-                                f"{turned_on('lean_lora')}")
-        if self.keep_outputs and self.stack == "fitune":
-            problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
-                            f"model output: use {name('stack')} hf with it")
-        if self.offload_embeddings and self.method not in ("lora", "qlora"):
-            problems.append(f"{name('offload_embeddings')} keeps a frozen embedding table on the CPU; with "
-                            f"{name('method')} {self.method} it trains: use lora or qlora, or drop it")
-        if self.offload_embeddings and self.num_gpus > 1:
-            problems.append(f"{name('offload_embeddings')} was written for one GPU: drop it, or train on one GPU")
-        if self.lean_lora and self.method not in ("lora", "qlora"):
-            problems.append(f"{name('lean_lora')} applies to LoRA adapters; {name('method')} {self.method} has none")
-        if self.method == "qlora" and self.dtype == "fp32":
-            problems.append(f"{name('method')} qlora computes in bf16/fp16; {name('dtype')} fp32 does not apply "
-                            "(use bf16)")
-        if problems:
-            raise ConfigError(problems)
-        return self
+        return problems
+
+
+# ---- TrainSetup.validate's checks: each returns its problems, in the order they are listed ----------------------
+# `name(field)` is the field as the user wrote it: `--lora-rank` on the command line, `lora.rank:` in a config file.
+
+
+def _one_of(name, f: str, value, allowed) -> list[str]:
+    return [] if value in allowed else [f"{name(f)} {value!r} is not one of: {', '.join(allowed)}"]
+
+
+def _turned_on(name, f: str) -> str:
+    """An on/off key as the user writes it on: `--lean-lora` / `lean_lora: true`."""
+    return name(f) if name(f).startswith("--") else f"{name(f)} true"
+
+
+def _value_problems(s: TrainSetup, name, num_layers: int | None) -> list[str]:
+    """Choices that are not among the known ones, sizes that are not positive, the LoRA dropout, freeze's layers."""
+    problems = _one_of(name, "method", s.method, METHODS)
+    problems += _one_of(name, "dtype", s.dtype, DTYPES)
+    problems += _one_of(name, "attn", s.attn, ATTNS)
+    problems += _one_of(name, "optimizer", s.optimizer, OPTIMIZERS)
+    problems += _one_of(name, "loss", s.loss, LOSSES)
+    problems += _one_of(name, "stack", s.stack, STACKS)
+    problems += _one_of(name, "strategy", s.strategy, STRATEGIES)
+    for f in ("batch_size", "seq_len_tokens", "grad_accum", "freeze_trainable_layers", "num_gpus"):
+        value = getattr(s, f)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{name(f)} must be a positive integer, got {value!r}")
+    if not isinstance(s.lora_dropout, (int, float)) or not 0 <= s.lora_dropout < 1:
+        problems.append(f"{name('lora_dropout')} must be at least 0 and below 1, got {s.lora_dropout!r}")
+    if (s.method == "freeze" and num_layers is not None and isinstance(s.freeze_trainable_layers, int)
+            and s.freeze_trainable_layers > num_layers):
+        problems.append(f"{name('freeze_trainable_layers')} {s.freeze_trainable_layers} is more than the "
+                        f"model's {num_layers} layers (use method full to train them all)")
+    return problems
+
+
+def _lora_problems(s: TrainSetup, name, hidden_size: int | None, linear_names: list[str] | None) -> list[str]:
+    """LoRA / QLoRA: a positive rank below the hidden size, targets the model has."""
+    problems: list[str] = []
+    if s.method not in ("lora", "qlora"):
+        return problems
+    if not isinstance(s.lora_rank, int) or s.lora_rank < 1:
+        problems.append(f"{name('lora_rank')} must be a positive integer, got {s.lora_rank!r}")
+    elif hidden_size is not None and s.lora_rank > hidden_size:
+        problems.append(f"{name('lora_rank')} {s.lora_rank} is above the model's hidden size {hidden_size}; "
+                        "a LoRA rank is a small number (8-128)")
+    if not s.lora_targets:
+        problems.append(f"{name('lora_targets')} is empty; name modules (q_proj,v_proj) or use all-linear")
+    elif linear_names is not None and not s.all_linear:
+        unknown = [t for t in s.lora_targets if t not in linear_names]
+        if unknown:
+            problems.append(unknown_targets_problem(name("lora_targets"), unknown, linear_names))
+    return problems
+
+
+def _runner_technique_problems(s: TrainSetup, name) -> list[str]:
+    """fitune's techniques (chunked loss, lean kernels, Liger, compiled layers) need its runner and go together."""
+    problems: list[str] = []
+    if s.loss == "chunked" and s.stack == "hf":
+        problems.append(f"{name('loss')} chunked is a technique of fitune's runner; a plain transformers script "
+                        f"computes full logits: use {name('stack')} fitune with it (or {name('loss')} hf)")
+    for f in ("tiled_mlp", "lean_lora", "lean_norm", "expandable_segments", "offload_embeddings"):
+        if getattr(s, f) and s.stack == "hf":
+            problems.append(f"{name(f)} is a technique of fitune's runner: use {name('stack')} fitune with it")
+    problems += _one_of(name, "kernels", s.kernels, KERNELS)
+    if s.kernels == "liger" and s.stack == "hf":
+        problems.append(f"{name('kernels')} liger is a technique of fitune's runner: use {name('stack')} fitune "
+                        "with it")
+    if s.kernels == "liger" and s.lean_norm:
+        problems.append(f"{name('kernels')} liger and {name('lean_norm')} both replace RMSNorm: keep one "
+                        "(Liger's is faster, the lean one works without a GPU)")
+    problems += _one_of(name, "compile", s.compile, COMPILES)
+    if s.compile == "layers":
+        problems += _compiled_layers_problems(s, name)
+    return problems
+
+
+def _compiled_layers_problems(s: TrainSetup, name) -> list[str]:
+    """compile layers: fitune's runner, without what the compiled layer fuses itself, measured with lean LoRA."""
+    problems: list[str] = []
+    if s.stack == "hf":
+        problems.append(f"{name('compile')} layers is a technique of fitune's runner: use {name('stack')} "
+                        "fitune with it")
+    if s.kernels == "liger" or s.lean_norm:
+        problems.append(f"{name('compile')} layers fuses RMSNorm, RoPE and SwiGLU itself: drop "
+                        f"{name('kernels')} liger / {name('lean_norm')} (the compiled layer was measured "
+                        "without them)")
+    if s.tiled_mlp or s.checkpointed_layers_mode == "offload":
+        problems.append(f"{name('compile')} layers was not measured with {name('tiled_mlp')} or offloaded "
+                        f"checkpointing: turn those off, or use {name('compile')} none")
+    if s.method in ("lora", "qlora") and not s.lean_lora:
+        problems.append(f"{name('compile')} layers is modelled with the lean LoRA branch: add "
+                        f"{_turned_on(name, 'lean_lora')}")
+    return problems
+
+
+def _combination_problems(s: TrainSetup, name) -> list[str]:
+    """Options that do not apply together: kept outputs on fitune's runner, offloaded embeddings, lean LoRA
+    without LoRA, QLoRA in fp32."""
+    problems: list[str] = []
+    if s.keep_outputs and s.stack == "fitune":
+        problems.append(f"{name('keep_outputs')} describes a script's own loop; fitune's runner never keeps the "
+                        f"model output: use {name('stack')} hf with it")
+    if s.offload_embeddings and s.method not in ("lora", "qlora"):
+        problems.append(f"{name('offload_embeddings')} keeps a frozen embedding table on the CPU; with "
+                        f"{name('method')} {s.method} it trains: use lora or qlora, or drop it")
+    if s.offload_embeddings and s.num_gpus > 1:
+        problems.append(f"{name('offload_embeddings')} was written for one GPU: drop it, or train on one GPU")
+    if s.lean_lora and s.method not in ("lora", "qlora"):
+        problems.append(f"{name('lean_lora')} applies to LoRA adapters; {name('method')} {s.method} has none")
+    if s.method == "qlora" and s.dtype == "fp32":
+        problems.append(f"{name('method')} qlora computes in bf16/fp16; {name('dtype')} fp32 does not apply "
+                        "(use bf16)")
+    return problems
 
 
 def unknown_targets_problem(key: str, unknown: list[str], linear_names: list[str]) -> str:

@@ -11,7 +11,9 @@ SEEDS = ["estimate", "llama-3.1-8b", "--method", "lora", "--seq-len", "2048", "-
 
 JSON_KEYS = {"model", "engine", "setup", "peak_allocated_bytes", "peak_reserved_bytes", "peak_phase", "breakdown",
              "phases", "resident_bytes", "trainable_params", "total_params", "host_bytes", "notes", "gpu", "fits",
-             "headroom_bytes", "suggestions", "tight", "retries_expected", "source_note"}
+             "headroom_bytes", "suggestions", "tight", "retries_expected", "source_note",
+             # every phase of the run (issue 33, docs/phases.md)
+             "run_phases", "worst_phase", "host_peak_phase", "host_peak_bytes", "run_fits"}
 CATEGORIES = {"weights", "adapter_weights", "gradients", "optimizer_states", "saved_activations",
               "logits_and_loss", "transients", "workspaces", "allocator_overhead"}
 

@@ -65,6 +65,8 @@ def child(cmd):
     torch.set_num_threads(1)  # the same arithmetic in every child, and two chains fit on two cores
     while cmd.get("go") and not os.path.exists(cmd["go"]):  # concurrent starts: all released at once
         time.sleep(0.0005)
+    if cmd.get("hold"):
+        hold_before_restoring_ctrl_c(cmd["hold"])
     try:
         rc = fitune.cli.main.main(cmd["argv"])
     except SystemExit as exc:
@@ -75,6 +77,41 @@ def child(cmd):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def hold_before_restoring_ctrl_c(hold):
+    """The double Ctrl-C test's rendezvous. Each press fitune's handler takes is counted in HOLD.presses (two
+    SIGINTs sent back to back can merge into one: the test sends the second once the first was taken). When the run
+    is over, still inside main() with the handler installed, the child writes HOLD.holding and waits for HOLD (the
+    number of presses the test sent) until that many were handled; it writes their count to HOLD.handled, then lets
+    the run restore the handlers and return. Every press the test sends therefore lands while main() runs, whatever
+    the machine's load."""
+    stop = fitune.train.loop._GracefulStop
+    restore_all = stop.restore_all.__func__
+    handle = stop._handle
+
+    def counted(self, signum, frame):
+        with open(hold + ".presses.part", "w") as f:
+            f.write(str(self.presses + 1))
+        os.replace(hold + ".presses.part", hold + ".presses")
+        return handle(self, signum, frame)
+
+    def held(cls):
+        handled = lambda: sum(s.presses for s in cls._active)
+        open(hold + ".holding", "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        sent = int(open(hold).read()) if os.path.exists(hold) else 0
+        while handled() < sent and time.monotonic() < deadline:
+            time.sleep(0.0005)  # a press the kernel holds for this process runs its handler here
+        with open(hold + ".handled", "w") as f:
+            f.write(str(handled()))
+        restore_all(cls)
+
+    stop.restore_all = classmethod(held)
+    stop._handle = counted
+
 
 exited = {}
 for line in sys.stdin:
@@ -114,8 +151,8 @@ class Zygote:
         assert line, "the zygote died"
         return json.loads(line)
 
-    def start(self, argv: list[str], log: str, go: str | None = None) -> int:
-        return self._ask(argv=argv, log=log, go=go)["pid"]
+    def start(self, argv: list[str], log: str, go: str | None = None, hold: str | None = None) -> int:
+        return self._ask(argv=argv, log=log, go=go, hold=hold)["pid"]
 
     def poll(self, pid: int) -> int | None:
         return self._ask(wait=pid, timeout=0)["rc"]
@@ -316,9 +353,44 @@ def _press(pid: int) -> bool:
         return False
 
 
+def _wait_for(conditions: dict, pid, zygote, timeout=60.0) -> str | None:
+    """Poll every millisecond: the name of the first of `conditions` that holds, or None when the child exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, condition in conditions.items():
+            if condition():
+                return name
+        if zygote.poll(pid) is not None:
+            return None
+        time.sleep(0.001)
+    raise AssertionError("timed out")
+
+
+def _taken(hold: str, n: int):
+    """The child's Ctrl-C handler has taken `n` presses (the zygote's `hold_before_restoring_ctrl_c` counts them)."""
+    def taken() -> bool:
+        try:
+            with open(hold + ".presses") as f:
+                return int(f.read()) >= n
+        except (OSError, ValueError):
+            return False
+    return taken
+
+
+def _release(hold: str, presses: int) -> None:
+    """Let a held child go on once `presses` presses have reached its handler (atomically: it reads the count)."""
+    with open(hold + ".part", "w") as f:
+        f.write(str(presses))
+    os.replace(hold + ".part", hold)
+
+
 def test_twenty_double_ctrl_c_keep_a_complete_checkpoint_and_resume_exactly(workspace, zygote, reference):
+    """The second press comes a delay (s) after the first was taken, or the moment a `.tmp` checkpoint folder
+    appears after it, or both presses (one after the other is taken) while a checkpoint / the adapter is written.
+    Each child holds before it restores the Ctrl-C handlers (the zygote's `hold_before_restoring_ctrl_c`) until the
+    test's presses were handled: both presses of every pair land while main() runs, and the child says it handled
+    both."""
     rng = random.Random(20)
-    # the second press: after a delay (s), or the moment a `.tmp` checkpoint folder appears after the first
     seconds = [0.0, 0.0005, 0.002, 0.01, 0.03, 0.1]
     presses, chains, at_tmp = 0, 0, 0
     while presses < DOUBLE_CTRL_C:
@@ -327,39 +399,40 @@ def test_twenty_double_ctrl_c_keep_a_complete_checkpoint_and_resume_exactly(work
         config = _yaml(workspace, out, save_every=(1, 5)[chains % 2])
         for attempt in range(100):
             started = max([line.get("step", 0) for line in _lines(out)], default=0)
-            log_path = f"{out}.{attempt}.log"
-            pid = zygote.start(["train", config, "--no-progress", *_how_to_continue(out)], log_path)
-            if presses >= DOUBLE_CTRL_C or not _wait_until(_training_started(out, started), pid, zygote):
-                assert zygote.wait(pid) == 0, open(log_path).read()[-3000:]
-                break
+            log_path, hold = f"{out}.{attempt}.log", f"{out}.{attempt}.hold"
+            holding = (lambda h: lambda: os.path.exists(h + ".holding"))(hold)
+            pid = zygote.start(["train", config, "--no-progress", *_how_to_continue(out)], log_path, hold=hold)
+            state = _wait_for({"training": _training_started(out, started), "over": holding}, pid, zygote)
             second = rng.choice([*seconds, "tmp", "tmp-both"]) if presses % 10 != 9 else "outputs"
-            if second in ("tmp-both", "outputs"):  # both presses while a checkpoint / the adapter is being written
+            if presses < DOUBLE_CTRL_C and state == "training" and second in ("tmp-both", "outputs"):
                 being_written = _tmp_checkpoint(out) if second == "tmp-both" else \
                     (lambda: os.path.isdir(os.path.join(out, "adapter.tmp")))
-                if not _wait_until(being_written, pid, zygote):
-                    assert zygote.wait(pid) == 0
-                    break
-                delivered = _press(pid) and _press(pid)
+                state = _wait_for({"training": being_written, "over": holding}, pid, zygote)
+                at_tmp += state == "training" and second == "tmp-both"
+            if presses >= DOUBLE_CTRL_C or state != "training":  # nothing left to press: the run completes
+                _release(hold, 0)
+                assert zygote.wait(pid) == 0, open(log_path).read()[-3000:]
+                break
+            if second in ("tmp-both", "outputs"):
+                assert _press(pid)
+                assert _wait_for({"taken": _taken(hold, 1)}, pid, zygote) == "taken"
+                assert _press(pid)
             else:
                 time.sleep(rng.uniform(0.0, 0.05))
-                delivered = _press(pid)
+                assert _press(pid)
+                assert _wait_for({"taken": _taken(hold, 1)}, pid, zygote) == "taken"  # then the second, on its own
                 if second == "tmp":
-                    _wait_until(_tmp_checkpoint(out), pid, zygote, timeout=10)
+                    at_tmp += _wait_for({"tmp": _tmp_checkpoint(out), "over": holding}, pid, zygote,
+                                        timeout=10) == "tmp"
                 else:
                     time.sleep(second)
-                delivered = _press(pid) and delivered
-            # a run whose first press already ended it (the process is gone) is checked the same way below, but
-            # it was not a double press
-            at_tmp += delivered and second in ("tmp", "tmp-both")
-            presses += delivered
+                assert _press(pid)  # the child holds until both are handled: it cannot have ended
+            _release(hold, 2)
             rc = zygote.wait(pid)
             log = open(log_path).read()
-            if rc == 0:  # the presses came during the end-of-run writes: the run is complete
-                break
-            if rc == 130 and "interrupted at step" not in log and re.search(r"trained \d+ steps", log):
-                # the second press came after the run had finished and its handler was gone: the run is complete,
-                # the command says it was interrupted, without a traceback
-                assert "Traceback" not in log and "fitune train: interrupted" in log, log[-3000:]
+            assert open(hold + ".handled").read() == "2", log[-3000:]  # both reached fitune's handler in main()
+            presses += 1
+            if rc == 0:  # the presses came after the last step: the run is complete
                 break
             assert rc == 130, log[-3000:]
             assert "aborted" not in log and "Traceback" not in log

@@ -148,7 +148,7 @@ def test_seeds_script_prints_setup_estimate_and_fixes(capsys):
     out = capsys.readouterr().out
     assert "as written (trainer script)" in out
     assert "LoRA rank                8                            line 17" in out
-    assert "peak allocated            21.99 GiB" in out  # the measured seeds' case: 21.99 GiB (README)
+    assert "peak allocated            21.99 GiB" in out  # the measured seeds' case: 21.99 GiB (docs/accuracy.md)
     assert "FITS ONLY WITH ALLOCATOR RETRIES" in out
     assert "line 38: per_device_train_batch_size=2 -> per_device_train_batch_size=1" in out
     assert "line 39: gradient_accumulation_steps=8 -> gradient_accumulation_steps=16" in out

@@ -29,10 +29,10 @@ def test_within_5pct_reserved(row):
 
 def test_readme_error_table_matches_the_measurements():
     s = summary(ROWS)
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    readme = open(os.path.join(ROOT, "docs", "accuracy.md"), encoding="utf-8").read()  # moved from the README
     m = re.search(r"\| peak allocated \| (\d+) \| ([\d.]+) % \| ([\d.]+) % \|", readme)
     n = re.search(r"\| peak reserved \| (\d+) \| ([\d.]+) % \| ([\d.]+) % \|", readme)
-    assert m and n, "README lacks the error table"
+    assert m and n, "docs/accuracy.md lacks the error table"
     assert int(m.group(1)) == s["cases"] == int(n.group(1))
     assert (m.group(2), m.group(3)) == (f"{s['allocated_median_pct']:.2f}", f"{s['allocated_max_pct']:.2f}")
     assert (n.group(2), n.group(3)) == (f"{s['reserved_median_pct']:.2f}", f"{s['reserved_max_pct']:.2f}")
@@ -134,14 +134,37 @@ def test_the_option_cases_cover_every_method_optimizer_and_new_architecture():
     assert any(s.keep_outputs for s in setups) and any(s.tiled_mlp for s in setups)
 
 
+KNOWN_OPTION_MISSES = {
+    "llama-3.2-1b full 2x2048 ckpt=full sdpa adafactor",  # reserved -9.2 %
+    "qwen2.5-1.5b full 2x2048 ckpt=full sdpa adafactor",  # reserved -6.4 %
+    "qwen2.5-1.5b full 2x2048 ckpt=full sdpa adamw8bit stack fitune chunked",  # allocated -4.5 %
+    "qwen2.5-1.5b qlora all-linear r32 1x8192 ckpt=full sdpa stack fitune chunked",  # reserved -8.7 %
+}
+"""The option cases outside issue 12's goal, written down by hand from the estimate of 2026-12-05 (issue 34). The
+check used to compare each row with fitune/specs/data/measured.json, which is generated from these same rows, so a
+row outside the goal always had its own trace there and the check could not fail. A list kept by hand can: an
+estimator change that moves another case outside the goal fails below until it is fixed or added here."""
+
+
 @pytest.mark.parametrize("row", OPTION_ROWS, ids=[r.label for r in OPTION_ROWS])
-def test_each_option_case_is_within_the_goal_or_its_plans_say_unvalidated(row):
-    """Issue 12's goal: peak allocated within 2 %, reserved within 5 %. A case outside it must leave a trace in
-    the planner: its setup's options are listed as unvalidated (fitune/specs/data/measured.json)."""
+def test_each_option_case_is_within_the_goal_or_a_known_miss_the_planner_flags(row):
+    """Issue 12's goal: peak allocated within 2 %, reserved within 5 %. A case outside it is one of the misses
+    written down above, and the planner lists its options as unvalidated (fitune/specs/data/measured.json)."""
     from fitune.plan.measured import unmeasured_reasons
 
     within = abs(row.allocated_error_pct) <= 2.0 and abs(row.reserved_error_pct) <= 5.0
-    assert within or unmeasured_reasons(row.setup, row.model_type), row
+    if not within:
+        assert row.label in KNOWN_OPTION_MISSES, f"a new miss: {row}"
+        assert unmeasured_reasons(row.setup, row.model_type), row
+
+
+def test_the_known_option_misses_are_still_misses():
+    """A miss that the estimator now gets right leaves the list (which stays the list of real misses)."""
+    labels = {r.label: r for r in OPTION_ROWS}
+    assert KNOWN_OPTION_MISSES <= set(labels), sorted(KNOWN_OPTION_MISSES - set(labels))
+    fixed = [m for m in KNOWN_OPTION_MISSES if abs(labels[m].allocated_error_pct) <= 2.0
+             and abs(labels[m].reserved_error_pct) <= 5.0]
+    assert not fixed, f"within the goal now, remove from KNOWN_OPTION_MISSES: {fixed}"
 
 
 def test_the_planners_evidence_file_is_current():
@@ -158,7 +181,7 @@ def test_the_planners_evidence_file_is_current():
 def test_readme_accuracy_table_by_method_and_optimizer_matches():
     from fitune.profile.accuracy import measured_rows, method_table
 
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    readme = open(os.path.join(ROOT, "docs", "accuracy.md"), encoding="utf-8").read()  # moved from the README
     assert method_table(measured_rows(ROOT)) in readme
 
 
@@ -168,7 +191,7 @@ def test_readme_accuracy_table_by_method_and_optimizer_matches():
 def test_out_of_sample_runs_hold_the_estimate():
     """82 runs of fitune's runner on four models (bench/speed_calibration.py: every technique, uncapped) and the
     ranking check's `fitune train` runs under a 24 GB cap and the context probes at 8-48 GB, measured after the estimator was last changed: a test of
-    its predictions, not a fit. The README states how many are within the goal (2 % allocated, 5 % reserved) and
+    its predictions, not a fit. docs/accuracy.md states how many are within the goal (2 % allocated, 5 % reserved) and
     names the misses; this holds those numbers, and the misses within 4 % / 7 %."""
     from fitune.profile.accuracy import measured_rows
 
@@ -179,5 +202,6 @@ def test_out_of_sample_runs_hold_the_estimate():
     assert allocated_misses == ["llama-3.1-8b qlora all-linear r32 1x32768 ckpt=full sdpa stack fitune chunked liger"]
     assert len(reserved_misses) == 5
     assert all(abs(r.allocated_error_pct) <= 4.0 and abs(r.reserved_error_pct) <= 7.0 for r in rows)
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    assert "96 of the 97" in readme and "92 of the 97" in readme
+    readme = open(os.path.join(ROOT, "docs", "accuracy.md"), encoding="utf-8").read()  # moved from the README
+    n = len(rows)
+    assert f"{n - len(allocated_misses)} of the {n}" in readme and f"{n - len(reserved_misses)} of the {n}" in readme

@@ -271,7 +271,8 @@ def test_train_of_a_hub_id_not_cached_offline_is_one_error_with_the_command(tmp_
 
 
 def test_train_config_accepts_a_gguf_and_a_cached_hub_id(tmp_path, cached_smollm, real_gguf):
-    from fitune.config import config_from_dict, preflight_problems
+    from fitune.config import config_from_dict
+    from fitune.train.preflight import preflight_problems
 
     for model in (real_gguf, HUB_ID):
         cfg = config_from_dict(_config(tmp_path, model), "test").validate()

@@ -172,7 +172,9 @@ def test_nothing_fits_gives_the_smallest_requirement_and_changes():
 
 
 def test_host_ram_leaves_out_methods_that_cannot_load():
-    result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), host_ram_bytes=8 * 2**30,
+    """bf16 weights go straight to the GPU (device_map), so LoRA's load needs the process and a few tensors in
+    flight (5.91 GiB, fitune/memory/phases.py), QLoRA's less (one tensor at a time): 4 GiB keeps QLoRA only."""
+    result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), host_ram_bytes=4 * 2**30,
                               methods=("lora", "qlora")))
     assert {p.setup.method for p in result.plans} == {"qlora"}
     assert any(r.reason == "host_ram" and "--host-ram" in r.message for r in result.rejected)
@@ -282,6 +284,28 @@ def test_packing_pays_when_rows_would_be_short():
     assert packing_pays(short, 2048, 1)  # 300 of 2048: pack
     long = DataProfile("x.jsonl", tuple([1500] * 64), "test")
     assert not packing_pays(long, 2048, 1)  # rows already 73 % full and nothing padded
+
+
+def test_no_plan_packs_flash_attention_rows_that_train_would_refuse():
+    """flash-attention 2 keeps packed examples apart only with one row per micro-batch (TrainConfig.validate refuses
+    more): a plan with attn flash and a micro-batch above 1 runs its rows padded, never packed."""
+    from fitune.config import DataConfig, TrainConfig
+
+    short = DataProfile("x.jsonl", tuple([300] * 64), "test")
+    req = PlanRequest(load_model_spec("llama-3.2-1b"), resolve_gpu("h100"), seq_len_tokens=2048, batch_size=8,
+                      attns=("sdpa", "flash"), data=short, top=20)
+    plans = plan(req).plans
+    assert any(p.setup.attn == "flash" for p in plans) and any(p.packing for p in plans)
+    for p in plans:
+        if p.setup.attn == "flash" and p.setup.batch_size > 1:
+            assert not p.packing, p.setup
+        cfg = TrainConfig(model="m", setup=p.setup, packing=p.packing, data=DataConfig(path="x.jsonl"), max_steps=1)
+        try:
+            cfg.validate()
+            problems = []
+        except ConfigError as exc:  # the missing files are problems too: only the combination matters here
+            problems = exc.problems
+        assert not [m for m in problems if "packing with attn flash" in m], p.setup
 
 
 # ---- the CLI: output, --json, --write, --emit -------------------------------------------------------------------

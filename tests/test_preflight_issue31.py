@@ -1,5 +1,5 @@
 """Issue 31: `fitune train` gives no traceback and no slow error. Every check that needs no model runs before
-anything loads (fitune.config.preflight_problems, TrainConfig.validate): LoRA targets against the model's
+anything loads (fitune.train.preflight.preflight_problems, TrainConfig.validate): LoRA targets against the model's
 config.json, CUDA-only options, missing packages (all in one message), data formats, paths (and what they are
 relative to). Plus the smaller items: --attn flash, compile on the CPU, seq_len beyond the model's positions,
 --tokenizer /nope, the quickstart without torch, DeepSpeed's accelerator notice.
@@ -329,7 +329,7 @@ def test_compiled_layers_on_the_cpu_are_refused_before_loading(run_yaml, capsys,
 
 
 def test_a_cpu_rehearsal_of_several_ranks_counts_as_no_cuda(monkeypatch):
-    from fitune.config import _runs_on_cuda
+    from fitune.train.preflight import runs_on_cuda as _runs_on_cuda
     from fitune.parallel import CPU_RANKS_ENV
     from fitune.setup import TrainSetup
 

@@ -1,4 +1,5 @@
-"""The README's CPU quick-start: `python -m fitune.train.quickstart FOLDER`, then `fitune train FOLDER/run.yaml`."""
+"""The CPU quick-start (docs/quickstart.md): `python -m fitune.train.quickstart FOLDER`, then
+`fitune train FOLDER/run.yaml`."""
 
 from __future__ import annotations
 

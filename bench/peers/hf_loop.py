@@ -16,6 +16,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from bench.common import first_step_grad_norm  # noqa: E402
+
 from bench.peers.peerlib import hf_args, load_rows, reset_peaks, run_case  # noqa: E402
 
 
@@ -59,6 +61,8 @@ def main() -> int:
                 loss = model(input_ids=mb, labels=mb).loss / args.grad_accum
                 loss.backward()
                 total += loss.item()
+            if step == 0:  # the record's first-step trainable-gradient norm (step 1 is outside tokens/s)
+                clock.first_grad_norm = first_step_grad_norm(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
             clock.end()

@@ -210,6 +210,9 @@ def trainer_callback(clock: StepClock):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 clock.losses = getattr(clock, "losses", []) + [logs["loss"]]
+            if logs and logs.get("grad_norm") is not None and not hasattr(clock, "first_grad_norm"):
+                # logging_steps=1: the first step's; the Trainer's clip_grad_norm_ total, before clipping
+                clock.first_grad_norm = float(logs["grad_norm"])
 
     return _Timer()
 
@@ -242,10 +245,17 @@ def outcome(exc: BaseException | None) -> dict:
     return {"fits": None, "error": f"{type(exc).__name__}: {str(exc)[:600]}", "traceback": tb[-15:]}
 
 
-def write(out: str, rec: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
+def write(out: str, rec: dict, training: bool = True) -> None:
+    """Append `rec` through bench.common.write_record; a probe's or a run's record is a training record (its loss
+    trajectory: `losses`; its first step's trainable-gradient norm: `first_step_grad_norm`), a search's summary is
+    not (`training=False`)."""
+    from bench.common import training_facts, write_record
+
+    facts = None
+    if training:
+        facts = training_facts(rec.get("losses") or [], {"first_step_grad_norm": rec.pop("first_step_grad_norm", None)},
+                               why_none=rec.get("error") or "this stack's first-step gradient norm was not read")
+    write_record(out, rec, training=facts)
     short = {k: rec.get(k) for k in ("stack", "grad_checkpointing", "micro_batch_size", "grad_accum", "fits",
                                      "tokens_per_s", "peak_allocated_bytes", "peak_reserved_bytes",
                                      "num_alloc_retries")}
@@ -306,6 +316,7 @@ def run_case(stack: str, args, body, **extra) -> dict:
         rec.update(clock.summary(rec["tokens_per_step"]))
         if getattr(clock, "losses", None):
             rec["losses"] = [round(x, 4) for x in clock.losses[:64]]
+        rec["first_step_grad_norm"] = getattr(clock, "first_grad_norm", None)
         if not rec["fits"]:
             rec["tokens_per_s"] = rec["tokens_per_s_wall"] = None
 

@@ -48,6 +48,7 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
+from bench.common import PROBE_ENV, probed_fitune_cmd, training_facts  # noqa: E402
 from bench.peers.peerlib import (StepClock, record_whatever_happens, reset_peaks, start_cuda,  # noqa: E402
                                  trainer_callback, write_length_data)
 
@@ -155,6 +156,8 @@ def run_varlen_case(stack: str, args, body, in_process: bool = True, **extra) ->
                 rec[key] = None
         if getattr(tally.clock, "losses", None):
             rec["losses"] = [round(x, 4) for x in tally.clock.losses[:64]]
+        if "first_step_grad_norm" not in rec:  # fitune's body sets it from its child
+            rec["first_step_grad_norm"] = getattr(tally.clock, "first_grad_norm", None)
 
     def run() -> None:
         os.makedirs(args.work, exist_ok=True)
@@ -326,12 +329,16 @@ def fitune_body(args):
                                                 "loss", "kernels", "tiled_mlp", "lean_lora", "lean_norm",
                                                 "expandable_segments", "compile")}
         t0 = time.perf_counter()
-        proc = subprocess.run(fitune + ["train", plan_path, "--no-progress"], capture_output=True, text=True,
-                              env=env, timeout=max(30, deadline - time.monotonic()))
+        probe = os.path.join(run, "grad_norm.json")  # the child's first-step trainable-gradient norm
+        probed, _ = probed_fitune_cmd(probe)
+        proc = subprocess.run(probed + ["train", plan_path, "--no-progress"], capture_output=True, text=True,
+                              env={**env, PROBE_ENV: probe}, timeout=max(30, deadline - time.monotonic()))
         rec["train_s"] = round(time.perf_counter() - t0, 2)
         rec["exit"] = proc.returncode
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        rec["losses"] = [round(x["loss"], 4) for x in lines if "loss" in x][:64]
+        rec["first_step_grad_norm"] = training_facts([], probe)["first_step_grad_norm"]
         lines = [x for x in lines if "step_time_s" in x]
         rebuilt = fitune_steps_from_stream(cfg, len(lines))
         rec["stream_matches_metrics"] = all(r["nonpad"] == m["tokens"] and r["trained"] == m["trained_tokens"]

@@ -57,6 +57,7 @@ os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
+from bench.common import PROBE_ENV, probed_fitune_cmd, training_facts  # noqa: E402
 from bench.peers.peerlib import (outcome, parse_result, reset_peaks, run_case, simulate_card_view,  # noqa: E402
                                  start_cuda, trainer_callback, versions, write)
 
@@ -302,9 +303,12 @@ def probe_fitune(args, n: int) -> None:
             rec["est_peak_allocated_bytes"] = answer.get("peak_allocated_bytes")
             rec["est_peak_reserved_bytes"] = answer.get("peak_reserved_bytes")
         t0 = time.perf_counter()
+        probe = os.path.join(run, "grad_norm.json")  # the child's first-step trainable-gradient norm
+        probed, _ = probed_fitune_cmd(probe)
         try:
-            proc = subprocess.run(_fitune_cmd() + ["train", plan_path, "--no-progress"], capture_output=True,
-                                  text=True, timeout=max(30.0, args.probe_timeout - 30), env=_fitune_env())
+            proc = subprocess.run(probed + ["train", plan_path, "--no-progress"], capture_output=True,
+                                  text=True, timeout=max(30.0, args.probe_timeout - 30),
+                                  env={**_fitune_env(), PROBE_ENV: probe})
             code, tail = proc.returncode, (proc.stdout[-600:] + proc.stderr[-2000:]).strip()
         except subprocess.TimeoutExpired:
             code, tail = "timeout", ""
@@ -312,6 +316,8 @@ def probe_fitune(args, n: int) -> None:
         rec["exit"] = code
         metrics = os.path.join(cfg["output_dir"], "metrics.jsonl")
         lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        rec["losses"] = [round(x["loss"], 4) for x in lines if "loss" in x][:64]
+        rec["first_step_grad_norm"] = training_facts([], probe)["first_step_grad_norm"]
         lines = [x for x in lines if "step_time_s" in x]
         seconds = [x["step_time_s"] for x in lines]
         rec["steps_done"] = len(lines)
@@ -548,9 +554,7 @@ def search_main(args) -> int:
                    elapsed_s=round(time.monotonic() - t_start, 1))
     if args.stack == "fitune" and summary.get("prior_source") == "fitune plan's longest":
         summary["plan_longest_tokens"] = summary["prior"]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(summary) + "\n")
+    write(args.out, summary, training=False)  # the search's answer: its probes are the training records
     print("SUMMARY " + json.dumps(summary), flush=True)
     return 0
 

@@ -18,7 +18,7 @@ Hugging Face model folder, a Hub id (its config.json from the Hub cache, else it
 (its architecture from the GGUF metadata; the weights train dequantized to --dtype). The estimate models a plain transformers + PEFT training script (--stack hf) op by op
 and reports the bytes per category at the peak (weights, adapter weights, gradients, optimizer states, saved
 activations, logits and loss, transients, workspaces, allocator overhead), the peak of each phase, and with --gpu
-whether the run fits. Its error against 45 measured runs is in the README (bench/results/hf_recipe/).
+whether the run fits. Its error against 45 measured runs: docs/accuracy.md.
 
 examples:
   fitune estimate llama-3.1-8b --method lora --seq-len 2048 --batch-size 2 --grad-checkpointing full --gpu rtx4090
@@ -37,7 +37,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="analytic (default, pure Python, instant) or trace (runs the real transformers model on "
                    "fake tensors on the CPU; needs torch + transformers + peft; for architectures the analytic "
                    "engine does not model)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (keys documented in the README)")
+    p.add_argument("--source", choices=("folder", "hub", "gguf", "random"),
+                   help="where the run loads its weights from, for the load phase: a model folder, the Hub cache, a "
+                   ".gguf file or random weights (default: what MODEL is; a catalog name loads from the Hub)")
+    p.add_argument("--eval-seq-len", type=int, metavar="TOKENS",
+                   help="the longest eval row, for the eval phase (default: --seq-len, which eval rows are cut to)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys documented in docs/reference.md, \"JSON output\", and docs/phases.md)")
     p.add_argument("--list-models", action="store_true", help="print the model catalog and exit")
     p.add_argument("--list-gpus", action="store_true", help="print the GPU catalog and exit")
     from ..report import add_html_argument
@@ -111,9 +116,11 @@ def run(args) -> int:
         from ..memory.suggest import suggest_changes
 
         suggestions = suggest_changes(model, setup, gpu, base=est)
+    peaks = _run_phases(args, model, setup, est)
     doc = estimate_to_json(est)
+    doc.update(run_phases_to_json(peaks, est.gpu))
     source_note = describe_source(model, setup.dtype, setup.method)
-    doc["source_note"] = source_note  # null for a catalog name or a local config.json (README, "JSON output")
+    doc["source_note"] = source_note  # null for a catalog name or a local config.json (docs/reference.md, "JSON output")
     if gpu is not None:
         doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
                                "retries_expected": x.retries} for x in suggestions]
@@ -127,11 +134,65 @@ def run(args) -> int:
         if source_note:
             print(f"model source: {source_note}")
         print(format_estimate(est, suggestions))
+        print(format_run_phases(peaks, est.gpu))
     return 0
 
 
+def _run_phases(args, model, setup: TrainSetup, est) -> list:
+    """Every phase of the run (fitune/memory/phases.py), for --source and --eval-seq-len."""
+    from ..memory.phases import phase_peaks, source_of
+
+    if args.eval_seq_len is not None and args.eval_seq_len < 1:
+        raise ConfigError(f"--eval-seq-len {args.eval_seq_len}: give the longest eval row in tokens (1 or more)")
+    source = args.source or source_of(args.model)
+    return phase_peaks(setup, model, est, source=source, eval_rows_tokens=args.eval_seq_len)
+
+
+def run_phases_to_json(peaks, gpu) -> dict:
+    """The keys --json adds for every phase of the run (docs/phases.md): `run_phases`, `worst_phase`,
+    `host_peak_phase`, `host_peak_bytes`, and with --gpu `run_fits`."""
+    from ..memory.phases import host_peak, worst_phase
+
+    worst, host = worst_phase(peaks), host_peak(peaks)
+    out = {
+        "run_phases": [{"name": p.name, "gpu_allocated_bytes": p.gpu_allocated_bytes,
+                        "gpu_reserved_bytes": p.gpu_reserved_bytes, "host_bytes": p.host_bytes, "note": p.note}
+                       for p in peaks],
+        "worst_phase": worst.name,
+        "host_peak_phase": host.name,
+        "host_peak_bytes": host.host_bytes,
+    }
+    if gpu is not None:
+        out["run_fits"] = worst.gpu_allocated_bytes <= gpu.allocator_budget_bytes
+    return out
+
+
+def format_run_phases(peaks, gpu) -> str:
+    """One line per phase of the run (GPU allocated / reserved, host), then the verdict on the worst phase."""
+    from ..memory.phases import host_peak, worst_phase
+
+    lines = ["", "  every phase of the run (GPU allocated / reserved; host memory):"]
+    for p in peaks:
+        gpu_part = f"{gib(p.gpu_allocated_bytes):>10s} / {gib(p.gpu_reserved_bytes):>10s}" if p.gpu_allocated_bytes \
+            else f"{'CPU only':>23s}"
+        lines.append(f"    {p.name:10s} {gpu_part}   host {gib(p.host_bytes):>10s}   {p.note}")
+    worst, host = worst_phase(peaks), host_peak(peaks)
+    lines.append(f"  host memory of fitune train: {gib(host.host_bytes)} at the most ({host.name}); fitune plan "
+                 "checks it against --host-ram")
+    if gpu is not None:
+        budget = gpu.allocator_budget_bytes
+        over = [p for p in peaks if p.gpu_allocated_bytes > budget]
+        if over:
+            names = ", ".join(f"{p.name} needs {gib(p.gpu_allocated_bytes)}" for p in over)
+            lines.append(f"  whole run -> DOES NOT FIT: {names} > {gib(budget)} budget (worst: {worst.name})")
+        else:
+            lines.append(f"  whole run -> FITS: the worst phase, {worst.name}, needs {gib(worst.gpu_allocated_bytes)} "
+                         f"of {gib(budget)}")
+    return "\n".join(lines)
+
+
 def estimate_to_json(est) -> dict:
-    """The stable --json document (README, "JSON output")."""
+    """The stable --json document (docs/reference.md, "JSON output")."""
     out = {
         "model": est.model,
         "engine": "analytic",

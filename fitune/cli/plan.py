@@ -7,9 +7,16 @@ import json
 import sys
 
 from ..errors import ConfigError, DoesNotFitError
+from ..plan import PlanRequest, policy
+from ..plan.emit import hf_code, plan_yaml
+from ..plan.policy import available_attns, resolve_host_ram  # noqa: F401 - the names callers and tests import
+from ..report import maybe_write_html
 from ..schema import Problems, add_arguments, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
-from ..units import GiB, parse_memory_bytes
+from ..specs.gpu import resolve_gpu
+from ..specs.model import catalog_key, describe_source, load_model_spec, model_catalog
+from ..units import GiB
+from .common import check_output_file, write_keeping_previous
 
 DESCRIPTION = """\
 Search the training setups of MODEL that fit the GPU and rank them by predicted speed.
@@ -63,7 +70,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "comma-separated, to let the plan change it (lora,qlora: QLoRA where it is faster or "
                         "fits); the first is yours, and a plan with another says what that costs and buys")
     p.add_argument("--no-quantize", action="store_true", help="leave out QLoRA (4-bit base weights)")
-    p.add_argument("--host-ram", metavar="NGiB", help="host memory: methods whose loading needs more are left out")
+    p.add_argument("--host-ram", metavar="NGiB", help="host memory the plans must fit (default: this machine's when "
+                   "its GPU is here, else 64GiB assumed): methods whose loading or final save needs more, and "
+                   "offloaded checkpoints over it, are left out (docs/phases.md)")
     p.add_argument("--top", type=int, default=3, help="plans to show (default 3; each costs a full estimate)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/plan.md)")
     p.add_argument("--write", metavar="PLAN.yaml", help="save the best plan as a `fitune train` config (an "
@@ -94,138 +103,36 @@ def kept_setup(args) -> TrainSetup:
     return DEFAULT_SETUP.replace(**values)
 
 
-#: Architectures whose Liger kernels fitune measured (bench/results/issue12/options.jsonl, bench/results/issue5/):
-#: there the planner uses Liger by default once liger-kernel is installed.
-LIGER_BY_DEFAULT = ("llama", "qwen2")
-
-
-def _kernels(args, kept: TrainSetup, model) -> tuple[str, list[str]]:
-    """`--kernels` as given; without it, liger when the liger-kernel package is installed (found without importing
-    it: plan stays fast) and the architecture is one whose Liger kernels were measured, else torch."""
-    import importlib.util
-
-    if getattr(args, "cfg_kernels", None) is not None or kept.keep_outputs:
-        return kept.kernels, []  # --keep-outputs plans the user's own transformers loop: no Liger unless asked
-    if model.model_type in LIGER_BY_DEFAULT and importlib.util.find_spec("liger_kernel") is not None:
-        return "liger", ["kernels: liger (liger-kernel is installed; --kernels torch leaves it out)"]
-    return "torch", []
-
-
-#: Architectures whose compiled layers fitune measured (bench/results/speed/speed.jsonl, groups *_compile): there
-#: the planner compiles each decoder layer by default when Triton (torch.compile's GPU backend) is installed.
-#: Qwen2 was measured too, but before the lean LoRA branch's fix (its LoRA gradients were zero when compiled:
-#: bench/results/speed/zero_grads/), so its compiled runs are withdrawn until measured again.
-COMPILE_BY_DEFAULT = ("llama",)
-
-
-def _compile(args, kept: TrainSetup, model, kernels: str) -> tuple[str, str, list[str]]:
-    """(compile, kernels, notes): `--compile` as given; without it and without --kernels, compiled layers when
-    Triton is installed (CUDA builds of PyTorch bring it; found without importing it) on an architecture where they
-    were measured. Measured faster than Liger there: Llama-3.1-8B 1 x 2 x 2048 without checkpointing 17.4k vs 15.3k
-    tokens/s (bench/results/speed/speed.jsonl). Liger and the lean RMSNorm are then left out (the compiled layer
-    fuses the same operations)."""
-    import importlib.util
-
-    if getattr(args, "cfg_compile", None) is not None or kept.keep_outputs:
-        return kept.compile, kernels, []
-    if getattr(args, "cfg_kernels", None) is not None:
-        return "none", kernels, []  # --kernels liger / torch asked for: as asked, no compile on top
-    if model.model_type in COMPILE_BY_DEFAULT and importlib.util.find_spec("triton") is not None:
-        return "layers", "torch", ["compile: layers (Triton is installed; --compile none leaves it out, --kernels "
-                                   "liger uses Liger's kernels instead)"]
-    return "none", kernels, []
-
-
 def run(args) -> int:
+    """Search, then print the plans (or the JSON document, or the code), writing --write / --html when asked."""
     import time
 
-    from ..plan import PlanRequest, plan
-    from ..plan.emit import hf_code, plan_yaml
-    from ..specs.gpu import resolve_gpu
-    from ..specs.model import catalog_key, describe_source, load_model_spec, model_catalog
-
-    from .common import check_output_file, write_keeping_previous
-
-    if not 1 <= args.pick <= max(1, args.top):
-        raise ConfigError(f"--pick {args.pick}: give a plan number from 1 to --top ({args.top})")
-    for flag, path in (("--write", args.write), ("--html", args.html)):
-        if path is not None:
-            check_output_file(path, flag, make_parents=flag == "--html")  # before the search, not after it
-    t0 = time.perf_counter()
-    model = load_model_spec(args.model)
-    gpu = resolve_gpu(args.gpu)
-    methods = tuple(m.strip() for m in args.method.split(",") if m.strip())
-    if args.no_quantize:
-        methods = tuple(m for m in methods if m != "qlora")
-    host_ram = None
-    if args.host_ram:
-        host_ram = parse_memory_bytes(args.host_ram)
-        if host_ram is None:
-            raise ConfigError(f"--host-ram {args.host_ram}: write a 1024-based amount, e.g. 64GiB")
-    kept = kept_setup(args)
-    if kept.keep_outputs and (args.write or args.emit):
-        raise ConfigError(f"--keep-outputs plans your own loop as it is (it keeps the model output through backward); "
-                          f"{'--write makes a fitune train config' if args.write else '--emit hf prints a script'}, "
-                          "whose loop never keeps it: drop --keep-outputs to plan that instead")
-    kernels, kernel_notes = _kernels(args, kept, model)
-    compile_layers, kernels, compile_notes = _compile(args, kept, model, kernels)
-    if compile_notes:
-        kernel_notes = compile_notes
-    data, seq_len, data_notes = None, kept.seq_len_tokens, []
-    if args.data:
-        data, seq_len, data_notes = _read_data(args, model)
-    batch_size, batch_notes = _batch_size(args, seq_len)
-    _check_batch(args, batch_size)
-    req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
-                      methods=methods, lora_rank=kept.lora_rank, lora_alpha=kept.lora_alpha,
-                      lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
-                      freeze_trainable_layers=kept.freeze_trainable_layers, attns=available_attns(),
-                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, kernels=kernels,
-                      compile=compile_layers,
-                      keep_outputs=kept.keep_outputs, data=data, top=args.top)
-    if kept.keep_outputs:
-        notes = ["--keep-outputs: plans for your own transformers + PEFT loop as written (the output kept through "
-                 "backward), none of fitune's techniques; `fitune doctor` shows what freeing it saves"]
-    else:
-        notes = []
+    from ..plan import plan
     from .progress import progress_callback
 
+    _check_outputs(args)
+    t0 = time.perf_counter()
+    req, notes = _request(args)
     with progress_callback("plan: searching", "setup", enabled=not args.json) as progress:
         result = plan(req, progress=progress)
     elapsed = time.perf_counter() - t0
-    notes = notes + kernel_notes + data_notes + batch_notes
-    source_note = describe_source(model, req.dtype)
+    source_note = describe_source(req.model, req.dtype)
     if source_note:
         notes = [f"model source: {source_note}"] + notes
-    name = catalog_key(args.model)
-    hf_id = model_catalog()[name].get("hf_id") if name else None
-
     if result.plans and args.pick > len(result.plans):
         raise ConfigError(f"--pick {args.pick}: only {len(result.plans)} plan(s) fit; pick one of 1-{len(result.plans)}")
     chosen = result.plans[args.pick - 1] if result.plans else None
-    if args.write and result.plans:
+    kept_previous = None
+    if args.write and chosen is not None:
         text = plan_yaml(chosen, req, args.model, _command(), data_path=args.data, tokenizer=args.tokenizer)
         kept_previous = write_keeping_previous(args.write, text)
-    else:
-        kept_previous = None
-    from ..report import maybe_write_html
-
     maybe_write_html(args, "plan", result_to_json(result, elapsed, notes))
     if args.json:
-        doc = result_to_json(result, elapsed, notes)
-        doc["source_note"] = source_note  # null for a catalog name or a local config.json (docs/plan.md)
-        if args.write and result.plans:
-            doc["written"] = args.write
-            doc["kept_previous"] = kept_previous
-        if args.emit == "hf" and result.plans:
-            doc["hf_code"] = hf_code(chosen, req, args.model, hf_id, args.data)
-        json.dump(doc, sys.stdout, indent=2)
-        print()
-        return 0 if result.plans else DoesNotFitError.exit_code
+        return _print_json(args, req, result, chosen, elapsed, notes, source_note, kept_previous)
     if not result.plans:
         raise DoesNotFitError("nothing fits " + format_result(result, elapsed, notes))
     if args.emit == "hf":
-        print(hf_code(chosen, req, args.model, hf_id, args.data), end="")
+        print(hf_code(chosen, req, args.model, _hf_id(args.model), args.data), end="")
         return 0
     print(format_result(result, elapsed, notes))
     if args.write:
@@ -235,11 +142,67 @@ def run(args) -> int:
     return 0
 
 
-def available_attns() -> tuple[str, ...]:
-    """sdpa and eager always; flash when flash-attn is installed (found without importing it)."""
-    import importlib.util
+def _check_outputs(args) -> None:
+    """--pick within --top, and --write / --html writable, before the search (not after it)."""
+    if not 1 <= args.pick <= max(1, args.top):
+        raise ConfigError(f"--pick {args.pick}: give a plan number from 1 to --top ({args.top})")
+    for flag, path in (("--write", args.write), ("--html", args.html)):
+        if path is not None:
+            check_output_file(path, flag, make_parents=flag == "--html")
 
-    return ("sdpa", "eager") + (("flash",) if importlib.util.find_spec("flash_attn") is not None else ())
+
+def _request(args) -> tuple[PlanRequest, list[str]]:
+    """The PlanRequest the flags describe, and the notes that say what was chosen for the user (kernels, data,
+    batch, host RAM)."""
+    model = load_model_spec(args.model)
+    gpu = resolve_gpu(args.gpu)
+    methods = tuple(m.strip() for m in args.method.split(",") if m.strip())
+    if args.no_quantize:
+        methods = tuple(m for m in methods if m != "qlora")
+    host_ram, host_ram_origin, host_ram_line = policy.resolve_host_ram(args.host_ram)
+    kept = kept_setup(args)
+    if kept.keep_outputs and (args.write or args.emit):
+        raise ConfigError(f"--keep-outputs plans your own loop as it is (it keeps the model output through backward); "
+                          f"{'--write makes a fitune train config' if args.write else '--emit hf prints a script'}, "
+                          "whose loop never keeps it: drop --keep-outputs to plan that instead")
+    kernels_given = getattr(args, "cfg_kernels", None) is not None
+    kernels, kernel_notes = policy.default_kernels(kept, model, kernels_given)
+    compile_layers, kernels, compile_notes = policy.default_compile(
+        kept, model, kernels, getattr(args, "cfg_compile", None) is not None, kernels_given)
+    data, seq_len, data_notes = None, kept.seq_len_tokens, []
+    if args.data:
+        data, seq_len, data_notes = _read_data(args, model)
+    batch_size, batch_notes = _batch_size(args, seq_len)
+    _check_batch(args, batch_size)
+    req = PlanRequest(model=model, gpu=gpu, seq_len_tokens=seq_len, batch_size=batch_size, num_gpus=args.gpus,
+                      methods=methods, lora_rank=kept.lora_rank, lora_alpha=kept.lora_alpha,
+                      lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
+                      freeze_trainable_layers=kept.freeze_trainable_layers, attns=policy.available_attns(),
+                      allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, host_ram_origin=host_ram_origin,
+                      kernels=kernels, compile=compile_layers, keep_outputs=kept.keep_outputs, data=data,
+                      top=args.top)
+    notes = ["--keep-outputs: plans for your own transformers + PEFT loop as written (the output kept through "
+             "backward), none of fitune's techniques; `fitune doctor` shows what freeing it saves"] \
+        if kept.keep_outputs else []
+    return req, notes + (compile_notes or kernel_notes) + data_notes + batch_notes + [host_ram_line]
+
+
+def _hf_id(model_name: str) -> str | None:
+    name = catalog_key(model_name)
+    return model_catalog()[name].get("hf_id") if name else None
+
+
+def _print_json(args, req, result, chosen, elapsed, notes, source_note, kept_previous) -> int:
+    doc = result_to_json(result, elapsed, notes)
+    doc["source_note"] = source_note  # null for a catalog name or a local config.json (docs/plan.md)
+    if args.write and result.plans:
+        doc["written"] = args.write
+        doc["kept_previous"] = kept_previous
+    if args.emit == "hf" and result.plans:
+        doc["hf_code"] = hf_code(chosen, req, args.model, _hf_id(args.model), args.data)
+    json.dump(doc, sys.stdout, indent=2)
+    print()
+    return 0 if result.plans else DoesNotFitError.exit_code
 
 
 def _command() -> str:
@@ -395,7 +358,7 @@ def result_to_json(result, elapsed_s: float, notes=()) -> dict:
                     "per_gpu_batch_size": req.per_gpu_batch, "tokens_per_step": req.batch_size * req.seq_len_tokens,
                     "methods": list(req.methods), "lora_rank": req.lora_rank, "lora_alpha": req.lora_alpha,
                     "lora_targets": list(req.lora_targets), "dtype": req.dtype, "keep_outputs": req.keep_outputs,
-                    "host_ram_bytes": req.host_ram_bytes},
+                    "host_ram_bytes": req.host_ram_bytes, "host_ram_origin": req.host_ram_origin},
         "plans": [plan_to_json(p, i) for i, p in enumerate(result.plans, 1)],
         "rejected": [{"option": r.option, "reason": r.reason, "message": r.message,
                       "peak_allocated_bytes": r.peak_allocated_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,

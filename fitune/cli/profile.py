@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu", metavar="NAME", help="the GPU MFU is computed against (default: --cap, else h200)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default) or cpu (tiny models; tensor-level accounting instead of CUDA counters)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (keys in the README)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/reference.md)")
     p.add_argument("--plot", metavar="FILE.png", help="write memory over time, phases shaded, the peak marked")
     from ..report import add_html_argument
 

@@ -24,7 +24,7 @@ KIND and INPUT:
                        the post-mortem of an out-of-memory error
   train RUN_DIR        the output_dir of `fitune train` (metrics.jsonl): loss, eval loss, tokens/s, peak memory
                        per step; --watch N rewrites the page every N seconds while the run goes on
-  doctor FILE.json     `fitune doctor SCRIPT --json`: with --script SCRIPT the script with each finding on its line
+  doctor FILE.json     `fitune doctor SCRIPT --json`: setup, estimate, fixes, findings (--script: on their lines)
 
 INPUT `-` reads the JSON from stdin. The page goes to -o FILE.html (default: INPUT with .html, or
 fitune-KIND.html for stdin, or RUN_DIR/report.html).

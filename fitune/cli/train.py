@@ -13,7 +13,7 @@ Fine-tune a causal LM (LoRA, QLoRA, full or freeze) with fitune's runner: transf
 one readable loop, metrics.jsonl, atomic resumable checkpoints, and an out-of-memory guard that re-plans the
 step (smaller micro-batches with more accumulation, then checkpointing) and retries it with the same data.
 
-The config is YAML (see the README, "fitune train"); flags override its keys:
+The config is YAML (see docs/reference.md, "fitune train"); flags override its keys:
   fitune train run.yaml --max-steps 200 --set lora.rank=16 --set data.eval_path=eval.jsonl
 Every key has a flag, so the file is optional; without one, the flags are the whole config:
   fitune train --model ./my-model --data train.jsonl --method qlora --max-steps 200 --output-dir runs/x
@@ -115,7 +115,7 @@ def run(args) -> int:
             if pointed is None:
                 raise
             raise pointed from None
-    from ..config import preflight_problems
+    from ..train.preflight import preflight_problems
 
     problems = preflight_problems(cfg)  # everything that needs no model, said before anything loads
     if problems:

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..datasource import tokenizer_source_problem  # defined below the spine (fitune.config checks it)
 from ..errors import ConfigError, DataError
 from .convert import TRAINED_FROM, ShapeProblem, needs_chat_template, normalise, string_field
 from .formats import FORMATS, canonical_format, detect_format, format_of
@@ -306,17 +307,6 @@ def _damaged_tokenizer_file(folder: str) -> str | None:
         except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
             return f"{path} is not valid JSON ({exc})"
     return None
-
-
-def tokenizer_source_problem(source: str, key: str = "--tokenizer") -> str | None:
-    """Why `source` cannot hold a tokenizer, judged from the path alone (None when it may): not a folder, a .gguf
-    file or a Hub id. `fitune train` checks it with the config, before anything loads."""
-    from ..specs.sources import is_gguf_path, is_hub_id
-
-    if os.path.isdir(source) or os.path.isfile(source) and is_gguf_path(source) or is_hub_id(source):
-        return None
-    return (f"{key} {source}: no such folder; pass a folder with tokenizer.json / tokenizer_config.json (a downloaded "
-            "model folder works), a .gguf file or a Hub id (org/name) in the Hub cache")
 
 
 #: GGUF metadata keys of the special tokens (llama.cpp's gguf/constants.py, Keys.Tokenizer) -> the tokenizer's

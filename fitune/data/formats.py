@@ -1,38 +1,18 @@
 """Which record shape a data file holds, detected from its records' keys or forced by `data.format`.
 
-The one list of formats (`FORMATS`) and of the names people type for them (`FORMAT_ALIASES`): `fitune.config`'s
-`data.format` key, the encoder and the docs (docs/data.md) all read it from here. Records of every format become one
-of three shapes before they are tokenized (`fitune.data.convert`): chat messages, a prompt/completion pair, or text.
+The one list of formats (`FORMATS`) and of the names people type for them (`FORMAT_ALIASES`), defined in
+`fitune.datasource` (below the spine) and importable from here: `fitune.config`'s `data.format` key, the encoder and
+the docs (docs/data.md) all read them. Records of every format become one of three shapes before they are tokenized
+(`fitune.data.convert`): chat messages, a prompt/completion pair, or text.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from ..datasource import FORMAT_ALIASES, FORMATS  # noqa: F401 - the vocabulary lives below the spine; named here too
 from ..errors import DataError
 from .read import source_of
-
-FORMATS = ("chat", "completion", "text", "alpaca", "sharegpt", "conversational_completion")
-"""Record shapes fitune reads (one record of each in docs/data.md):
-- chat:                      {"messages": [{"role": ..., "content": ...}, ...]} (OpenAI's fine-tuning format);
-- completion:                {"prompt": "...", "completion": "..."} (TRL's standard prompt-completion);
-- text:                      {"text": "..."};
-- alpaca:                    {"instruction": ..., "input": ... (optional, may be empty), "output": ..., "system": ...
-                             (optional)} (Stanford Alpaca's alpaca_data.json);
-- sharegpt:                  {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...], "system":
-                             ... (optional)} (also "role"/"content" inside the conversation);
-- conversational_completion: {"prompt": [messages], "completion": [messages]} (TRL's conversational
-                             prompt-completion): the loss only on the completion's assistant messages."""
-
-FORMAT_ALIASES = {
-    "messages": "chat", "openai": "chat", "conversation": "chat",
-    "prompt_completion": "completion", "pretrain": "text", "raw": "text", "plain": "text",
-    "instruction": "alpaca", "share_gpt": "sharegpt", "conversations": "sharegpt",
-    "conversational_prompt_completion": "conversational_completion", "chat_prompt_completion":
-        "conversational_completion",
-}
-"""Other names `data.format` accepts, each for exactly one format (`conversation` stays OpenAI messages, as it was;
-ShareGPT's key is `conversations`)."""
 
 FORMAT_KEYS = {
     "chat": '{"messages": [{"role", "content"}, ...]}',

@@ -17,23 +17,14 @@ The cache is located from the environment at call time, as huggingface_hub does 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Iterator
 
+from ..datasource import HUB_ID, is_hub_id  # noqa: F401 - defined below the spine (fitune.config reads them)
 from ..errors import DataError
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-"""ORG/NAME, as the Hub spells repository ids (one slash, letters, digits, '.', '_', '-')."""
 DEFAULT_SPLIT = "train"
 """The split read when data.split is not given."""
 _TRUE = ("1", "on", "yes", "true")
-
-
-def is_hub_id(path: str, file_suffixes: tuple[str, ...] = ()) -> bool:
-    """`path` names a Hub data set: ORG/NAME, not an existing local path, and not ending like a data file (a missing
-    `data/train.jsonl` is a missing file, not a data set)."""
-    return (bool(HUB_ID.match(path)) and not os.path.exists(path)
-            and not path.lower().endswith(file_suffixes))
 
 
 def offline() -> bool:

@@ -26,19 +26,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
+from ..datasource import HF_DATASET_MARKERS, SUFFIXES, data_path_problem  # defined below the spine (fitune.config)
 from ..errors import DataError
 from ..schema import too_many_digits
 from .hub import DEFAULT_SPLIT, is_hub_id, iter_rows, open_hub_dataset
 
 MAX_LISTED_PROBLEMS = 10
 """Bad records listed one by one in a DataError; the rest are counted."""
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt")
-"""File types `read_records` reads; a folder is read as a saved Hugging Face dataset."""
 LINE_SUFFIXES = (".jsonl", ".txt")
 """File types whose records are numbered by file line; the others by 1-based record index."""
 CSV_DELIMITERS = {".csv": ",", ".tsv": "\t"}
-HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-"""Files `datasets.Dataset(Dict).save_to_disk` writes; a folder with one of them is a saved dataset."""
 
 PROBLEM_KINDS = ("not-utf8", "bad-json", "not-object", "malformed")
 """What `RecordProblem.kind` can be: the first three come from reading, "malformed" from encoding (a record missing
@@ -180,26 +177,6 @@ def _items(path: str, split: str, subset: str | None, streaming: bool) -> Iterat
     except OSError as exc:
         raise DataError(f"{path}: cannot read it ({exc.strerror or exc}); check its permissions", path=path) \
             from None
-
-
-def data_path_problem(path: str) -> str | None:
-    """Why the existing `path` cannot be a data file, judged without reading its records (its type, suffix and
-    size); None when it may be one. Said without the path (callers add it)."""
-    if os.path.isdir(path):
-        if not any(os.path.exists(os.path.join(path, marker)) for marker in HF_DATASET_MARKERS):
-            return (f"is a folder but not a dataset saved with datasets' save_to_disk (it has none of "
-                    f"{', '.join(HF_DATASET_MARKERS)}); pass a .jsonl, .json, .csv, .tsv, .txt or .parquet file, or "
-                    "the folder save_to_disk wrote")
-        return None
-    if not os.path.isfile(path):
-        return "is not a regular file (a device or a pipe?); pass a .jsonl, .json, .csv, .tsv, .txt or .parquet file"
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in SUFFIXES:
-        return (f"cannot read {suffix or 'a file without a suffix'}; fitune reads .jsonl (one JSON object per "
-                "line), .json (a list of objects), .csv / .tsv (a header row, then one record per row), .txt (one "
-                "text per line), .parquet, a folder saved with datasets' save_to_disk, or a Hub data set id "
-                "ORG/NAME. Convert the file, or rename it if it already is one of these (JSON lines: .jsonl)")
-    return None
 
 
 def _loads(text: str):

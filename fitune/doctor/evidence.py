@@ -17,6 +17,11 @@ HF_RECIPE = "bench/results/hf_recipe/hf_recipe.jsonl"
 """Measured on one H200 with transformers 5.17 + PEFT 0.21 (bench/results/hf_recipe/COMMAND.md)."""
 REFERENCE_MODEL = "llama-3.1-8b"
 """The model estimates are quoted for when the script's model is not in fitune's catalog (the forum case)."""
+USUAL_RANK = 16
+"""The LoRA rank the doctor suggests in place of a large one (or of full fine-tuning) and quotes costs against."""
+LARGE_RANK = 64
+"""The largest LoRA rank most recipes use (8-64): a rank above it is flagged (`lora-rank-large`) and gets the
+smaller-rank fixes (r/4 and USUAL_RANK); the adapter's bytes grow linearly with r."""
 ESTIMATED = f"fitune estimate (validated against {HF_RECIPE})"
 
 
@@ -304,10 +309,12 @@ def checkpointing_measured() -> str:
 
 
 def catalog_name(model_id: str) -> str | None:
-    """"meta-llama/Llama-3.1-8B-Instruct" or "llama-3.1-8b" -> the catalog name; None when not in the catalog."""
-    from .extract import catalog_model
+    """"meta-llama/Llama-3.1-8B-Instruct" or "llama-3.1-8b" -> the catalog name; None when not in the catalog: the
+    matching `fitune estimate` uses for a Hub id that is not in the Hub cache (`fitune.specs.model.
+    catalog_key_for_hub_id`: exact, then tolerant of an owner, `Meta-`, `-Instruct`, `-it`, `-bnb-4bit`, ...)."""
+    from ..specs.model import catalog_key_for_hub_id
 
-    return catalog_model(model_id)
+    return catalog_key_for_hub_id(model_id)
 
 
 def param_count(model_name: str) -> int:

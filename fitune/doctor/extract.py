@@ -28,7 +28,8 @@ from typing import Any
 
 from ..schema import Problems, _BAD, coerce, show_int
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
-from .index import UNKNOWN, Call, Ref, ScriptIndex, is_unsloth_loader
+from .evidence import REFERENCE_MODEL, catalog_name as catalog_model
+from .index import UNKNOWN, Call, Ref, ScriptIndex, is_unsloth_loader, tokenizer_calls
 
 #: The TrainSetup fields a script decides; the others (stack, loss, fitune's techniques) are fixed for a plain
 #: transformers + PEFT script: stack "hf", loss "hf", no technique.
@@ -140,16 +141,6 @@ class ScriptSetup:
 
 def _json_value(v):
     return list(v) if isinstance(v, tuple) else v
-
-
-# ---- model ids ------------------------------------------------------------------------------------------------
-def catalog_model(model_id: str) -> str | None:
-    """The catalog name of a model id as scripts write it, or None: `fitune.specs.model.catalog_key_for_hub_id`, the
-    matching `fitune estimate` uses for a Hub id that is not in the Hub cache (exact, then tolerant of an owner,
-    `Meta-`, `-Instruct`, `-it`, `-bnb-4bit`, ...)."""
-    from ..specs.model import catalog_key_for_hub_id
-
-    return catalog_key_for_hub_id(model_id)
 
 
 # ---- the extraction -----------------------------------------------------------------------------------------------
@@ -300,8 +291,6 @@ class _Extractor:
         return args[0] if args else None
 
     def _model(self, override: str | None) -> tuple[str, str | None]:
-        from .evidence import REFERENCE_MODEL
-
         if override:
             name = catalog_model(override) or override
             self.put("model", name, (), "flag", f"--model {override}")
@@ -616,8 +605,6 @@ class _Extractor:
                 self.put("seq_len_tokens", v, lines, "script", f"{edit.name}={v}"
                          + self._packing_note(sft_calls), edit)
                 return
-        from .rules.data import tokenizer_calls
-
         for c in tokenizer_calls(ix):
             if c.grad_disabled or any(w in c.function.lower() for w in ("generate", "infer", "predict", "demo")):
                 continue

@@ -22,13 +22,12 @@ from ..plan import throughput
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
+from ..plan.search import ADAM_FAMILY
+from .evidence import LARGE_RANK, USUAL_RANK
 from .extract import Edit, Recovered, ScriptSetup
 
 #: Fixes shown (the best `MAX_FIXES`, ranked).
 MAX_FIXES = 4
-#: A LoRA rank above this gets the "smaller rank" candidates (r/4 and 16).
-LARGE_RANK = 64
-ADAM_FAMILY = ("adamw", "adamw8bit", "paged_adamw8bit")
 BNB_CONFIG = ('BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, '
               "bnb_4bit_compute_dtype=torch.bfloat16)")
 """The QLoRA load of the measured recipe (fitune/runtime/model.py; bench/results/hf_recipe/ nf4 cases)."""
@@ -143,7 +142,7 @@ def _candidates(ss: ScriptSetup) -> list[_Change]:
     if s.optimizer == "adamw":
         out.append(_adam8bit(ss))
     if s.method in ("lora", "qlora") and s.lora_rank > LARGE_RANK:
-        for r in dict.fromkeys((s.lora_rank // 4, 16)):
+        for r in dict.fromkeys((s.lora_rank // 4, USUAL_RANK)):  # the "smaller rank" candidates
             if r < s.lora_rank:
                 out.append(_Change(f"rank{r}", f"LoRA r{r}", {"lora_rank": r, "lora_alpha": max(1, s.lora_alpha * r //
                                                                                                s.lora_rank)},
@@ -156,10 +155,10 @@ def _candidates(ss: ScriptSetup) -> list[_Change]:
                                  ss.anchors.get("lora_config")), _lines(f["lora_targets"]),
                            "fewer adapted layers (usually somewhat lower quality)", True))
     if s.method == "full":
-        out.append(_Change("lora", "LoRA r16 instead of full fine-tuning",
-                           {"method": "lora", "lora_rank": 16, "lora_targets": ("all-linear",)},
-                           (f"after line {ss.anchors.get('model_load', '?')}: model = get_peft_model(model, "
-                            'LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))',),
+        out.append(_Change("lora", f"LoRA r{USUAL_RANK} instead of full fine-tuning",
+                           {"method": "lora", "lora_rank": USUAL_RANK, "lora_targets": ("all-linear",)},
+                           (f"{_after_load(ss)}: model = get_peft_model(model, LoraConfig(r={USUAL_RANK}, "
+                            f'lora_alpha={2 * USUAL_RANK}, target_modules="all-linear", task_type="CAUSAL_LM"))',),
                            _lines(f["method"]), "trains adapters instead of every weight", True))
     if s.seq_len_tokens >= 512:
         half = s.seq_len_tokens // 2
@@ -172,8 +171,9 @@ def _candidates(ss: ScriptSetup) -> list[_Change]:
 def _free_outputs(ss: ScriptSetup) -> _Change:
     out_line, back = ss.anchors.get("output"), ss.anchors.get("backward")
     var = ss.fields["keep_outputs"].why.split("`")[1] if "`" in ss.fields["keep_outputs"].why else "outputs"
-    edits = (f"line {out_line}: loss = model(**batch).loss (keep only the loss), or `del {var}` before line {back}: "
-             f"loss = {var}.loss; del {var}; loss.backward()",)
+    before = f"before line {back}" if back else "before backward"
+    edits = (_at(out_line, f"loss = model(**batch).loss (keep only the loss), or `del {var}` {before}: "
+                           f"loss = {var}.loss; del {var}; loss.backward()"),)
     return _Change("outputs", "free the model output before backward", {"keep_outputs": False}, edits,
                    tuple(x for x in (out_line, back) if x), "none")
 
@@ -191,7 +191,7 @@ def _checkpointing(ss: ScriptSetup) -> _Change:
                  "recomputes only in train mode)",)
         values = {"grad_checkpointing": "full"}
     else:
-        edits = (f"after line {ss.anchors.get('model_load', '?')}: model.gradient_checkpointing_enable(); "
+        edits = (f"{_after_load(ss)}: model.gradient_checkpointing_enable(); "
                  "model.config.use_cache = False; and model.train() before the loop",)
         values = {"grad_checkpointing": "full"}
     return _Change("ckpt", "gradient checkpointing", values, edits, _lines(rec),
@@ -207,7 +207,8 @@ def _micro_batch(ss: ScriptSetup, micro: int) -> _Change:
     if ss.style != "loop" or acc.edit is not None:
         edits += _edit(acc, str(accum), "gradient_accumulation_steps", ss.anchors.get("training_args"))
     else:
-        edits.append(f"in the loop (line {ss.anchors.get('backward', '?')}): accumulate {accum} micro-batches: "
+        back = ss.anchors.get("backward")
+        edits.append(f"in the loop{f' (line {back})' if back else ''}: accumulate {accum} micro-batches: "
                      f"(loss / {accum}).backward(), then optimizer.step() and zero_grad() every {accum} batches")
     return _Change(f"micro{micro}", f"micro-batch {micro} x {accum} accumulation",
                    {"batch_size": micro, "grad_accum": accum}, tuple(edits),
@@ -217,11 +218,11 @@ def _micro_batch(ss: ScriptSetup, micro: int) -> _Change:
 def _qlora(ss: ScriptSetup) -> _Change:
     load = ss.anchors.get("model_load")
     if ss.style == "unsloth":
-        edits = (f"line {load}: load_in_4bit=True",)
+        edits = (_at(load, "load_in_4bit=True"),)
     else:
-        edits = (f"line {load}: from_pretrained(..., quantization_config={BNB_CONFIG}, device_map={{'': 0}}) (no "
-                 "prepare_model_for_kbit_training: it casts embeddings and lm_head to float32, which this estimate "
-                 "does not count)",)
+        edits = (_at(load, f"from_pretrained(..., quantization_config={BNB_CONFIG}, device_map={{'': 0}}) (no "
+                           "prepare_model_for_kbit_training: it casts embeddings and lm_head to float32, which this "
+                           "estimate does not count)"),)
     return _Change("qlora", "QLoRA (4-bit base weights)", {"method": "qlora", "dtype": "bf16"}, edits,
                    (load,) if load else (), "4-bit NF4 base weights: a small quality cost; needs bitsandbytes + CUDA")
 
@@ -254,6 +255,17 @@ def _edit(rec: Recovered, new: str, kw: str, anchor: int | None = None) -> tuple
     if e.kind == "class":
         return (f"line {e.line}: {e.text} -> {new}",)
     return (f"line {e.line}: {e.text} -> {e.name}={new}",)
+
+
+def _at(line: int | None, text: str) -> str:
+    """"line N: text", or the text alone when the script has no such line (never "line None:")."""
+    return f"line {line}: {text}" if line else text
+
+
+def _after_load(ss: ScriptSetup) -> str:
+    """Where code goes that must follow the model load: "after line N", or "after the model is loaded"."""
+    load = ss.anchors.get("model_load")
+    return f"after line {load}" if load else "after the model is loaded"
 
 
 def _lines(rec: Recovered) -> tuple[int, ...]:

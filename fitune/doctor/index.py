@@ -13,6 +13,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, Callable
 
 
 class _Unknown:
@@ -140,11 +141,15 @@ class ScriptIndex:
     """`fitune doctor --model NAME`: the model to estimate when the script's is not recognised."""
     gpu: str | None = None
     """`fitune doctor --gpu`: the GPU the script's estimates are judged on (default rtx4090)."""
+    read_setup: Callable[..., Any] | None = None
+    """How `script_setup` is read: `fitune.doctor.extract.extract_setup`, handed in by whoever builds the index
+    (`fitune.doctor.script.index_source`), so that the index imports nothing of the doctor's above it."""
 
     @classmethod
     def build(cls, tree: ast.Module, setup_overrides: dict | None = None, model_override: str | None = None,
-              gpu: str | None = None) -> "ScriptIndex":
-        ix = cls(tree, setup_overrides=dict(setup_overrides or {}), model_override=model_override, gpu=gpu)
+              gpu: str | None = None, read_setup: Callable[..., Any] | None = None) -> "ScriptIndex":
+        ix = cls(tree, setup_overrides=dict(setup_overrides or {}), model_override=model_override, gpu=gpu,
+                 read_setup=read_setup)
         ix._collect_imports()
         ix._collect_constants()
         _Walker(ix).visit_body(tree.body, _Context())
@@ -236,10 +241,11 @@ class ScriptIndex:
     # ---- facts the rules share ------------------------------------------------------------------------------------
     @cached_property
     def script_setup(self):
-        """The model and TrainSetup the script runs, each field with its lines (extract.py)."""
-        from .extract import extract_setup
-
-        return extract_setup(self, self.setup_overrides, self.model_override, self.gpu)
+        """The model and TrainSetup the script runs, each field with its lines (`read_setup`: extract.py)."""
+        if self.read_setup is None:
+            raise TypeError("this ScriptIndex was built without read_setup; build it with "
+                            "fitune.doctor.script.index_source, or call fitune.doctor.extract.extract_setup(ix)")
+        return self.read_setup(self, self.setup_overrides, self.model_override, self.gpu)
 
     def calls_named(self, *tails: str) -> list[Call]:
         return [c for c in self.calls if c.tail in tails]
@@ -371,6 +377,24 @@ class Ref:
     """A dotted reference the index does not evaluate, e.g. torch.float32."""
 
     text: str
+
+
+ENCODE_METHODS = ("encode", "encode_plus", "batch_encode_plus", "__call__", "apply_chat_template")
+"""A tokenizer's methods that turn text into token ids."""
+
+
+def tokenizer_calls(ix: ScriptIndex) -> list[Call]:
+    """`tokenizer(...)`, `tokenizer.encode(...)`, `tok.apply_chat_template(..., tokenize=True)` on known tokenizers."""
+    out = []
+    for c in ix.calls:
+        direct = c.name in ix.tokenizer_names
+        method = c.receiver in ix.tokenizer_names and c.tail in ENCODE_METHODS
+        if not (direct or method):
+            continue
+        if c.tail == "apply_chat_template" and not ix.is_true(c.kw("tokenize")) and c.kw("tokenize") is not None:
+            continue  # tokenize=False returns text
+        out.append(c)
+    return out
 
 
 def is_unsloth_loader(receiver: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from ..report.doctor import FIELD_LABELS, LORA_FIELDS  # the setup's fields and labels, one list for text and page
 from .findings import SEVERITIES, Finding, sort_findings
 
 WIDTH = 110
@@ -82,12 +83,6 @@ def format_data_report(report) -> str:
     return "\n".join(lines)
 
 
-FIELD_LABELS = {"model": "model", "method": "method", "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha",
-                "lora_dropout": "LoRA dropout", "lora_targets": "LoRA targets", "dtype": "dtype",
-                "grad_checkpointing": "checkpointing", "attn": "attention", "optimizer": "optimizer",
-                "batch_size": "micro-batch", "seq_len_tokens": "seq len (tokens)", "grad_accum": "grad accumulation",
-                "keep_outputs": "output kept in backward"}
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 def _value_text(v) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..schema import int_digits, too_many_digits
+from .extract import extract_setup
 from .findings import Finding, ScriptError, sort_findings
 from .index import ScriptIndex
 from .notebook import NOTEBOOK_SUFFIX, Notebook, read_notebook
@@ -73,7 +74,7 @@ def index_source(source: str, filename: str = "<script>", setup_overrides: dict 
         raise ScriptError(f"{filename}, {where}: {too_many_digits(digits)}; no setting of a training script is "
                           "that large: check the literal")
     try:
-        return ScriptIndex.build(tree, setup_overrides, model, gpu)
+        return ScriptIndex.build(tree, setup_overrides, model, gpu, read_setup=extract_setup)
     except RecursionError:  # the syntax tree parsed but is too deep for the rules' recursive walk
         raise _unreadable(filename) from None
 

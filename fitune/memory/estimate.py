@@ -125,14 +125,75 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         notes.append(f"lora_dropout {setup.lora_dropout:g} is not in this estimate: with dropout PEFT keeps a "
                      "dropped-out copy of each adapter input and its mask, which no measured case has covered "
                      "(every measured case used 0, PEFT's default)")
+    res = _resident_terms(model, setup, gpu, device, notes)  # weights, adapters, optimizer state, workspaces
+    step = _record_step(model, setup, res)  # the step, op by op, on a tape
+    forward_saved = _live_at_end_of_forward(step.tape.events, (ACTIVATIONS, LOGITS)) - FP32  # minus the loss scalar
+    phases = replay(step.tape.events, res.resident)
+    peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
+    peak_alloc = phases[peak_phase].peak_bytes
+    reserved = max(_reserved_peak(model, setup, res, step, allocator_steps), peak_alloc)
+    categories = CATEGORIES + (parallel_terms.PARALLEL_CATEGORIES if res.layout is not None else ())
+    breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in categories}
+    breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
+    host_bytes = step.host_bytes
+    if host_bytes:
+        notes.extend(_pinned_host_notes(host_bytes, step.k_ckpt))
+    if setup.stack == "fitune":
+        notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
+                     "checkpointing when chosen")
+    host_breakdown: dict[str, int] = {}
+    if res.layout is not None:
+        gpu = _rank_gpu(gpu, res.layout, notes)
+        host_breakdown = {**({"offloaded_checkpoints": host_bytes} if host_bytes else {}), **res.layout.host}
+        host_bytes += sum(res.layout.host.values())
+    return MemoryEstimate(
+        model=model.name,
+        setup=setup,
+        breakdown=breakdown,
+        phases={p: PhaseEstimate(v.peak_bytes, {k: v.by_category.get(k, 0) for k in categories}, v.at_label)
+                for p, v in phases.items()},
+        peak_phase=peak_phase,
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=reserved,
+        resident_bytes=res.resident,
+        trainable_params=res.trainable_params,
+        total_params=weights.count_params(model).total,
+        host_bytes=host_bytes,
+        forward_saved_bytes=forward_saved,
+        gpu=gpu,
+        notes=tuple(notes),
+        host_breakdown=host_breakdown,
+        tape=step.tape.events,
+    )
+
+
+# ---- resident before the step ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Resident:
+    """What `estimate` knows before recording the step: the resident bytes and the sizes the step scales with."""
+
+    act_bytes: int
+    """Bytes per element of the activations (and of the weights as computed: NF4 is dequantised to bf16)."""
+    trainable_params: int
+    trainable_bytes: int
+    resident: dict[str, int]
+    """Bytes per category resident before the step (weights, adapters, optimizer state, workspaces; per rank)."""
+    layout: "parallel_terms.RankLayout | None"
+    """One rank of a multi-GPU run (parallel.py), None on one GPU without a strategy."""
+
+
+def _resident_terms(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None, device: str,
+                    notes: list[str]) -> _Resident:
+    """The resident terms (closed formulas of weights.py, adapters.py, optimizer.py, overheads.py), and for one rank
+    of a multi-GPU run what its strategy divides, keeps on the host and adds (parallel.py). Appends the notes of the
+    options that change where the memory lives (offload_embeddings, paged_adamw8bit)."""
     w = weights.DTYPE_BYTES[setup.dtype]
     if setup.method == "qlora":
         w = 2  # NF4 storage, bf16 compute
-    counts = weights.count_params(model)
     trainable = adapters.trainable_param_count(model, setup)
     trainable_bytes = adapters.trainable_param_bytes(model, setup)
-
-    # ---- resident before the step --------------------------------------------------------------------
     weight_bytes = weights.weight_bytes(model, setup.method, "bf16" if setup.method == "qlora" else setup.dtype)
     offloaded_embedding = weights.offloaded_embedding_bytes(model, setup)
     weight_bytes -= offloaded_embedding  # offload_embeddings: the table is in CPU memory
@@ -155,7 +216,6 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         OPTIMIZER: state_bytes_allocator,
         WORKSPACES: workspace,
     }
-    # ---- one rank of a multi-GPU run (parallel.py): what the strategy divides, keeps on the host, adds ---------
     layout = None
     if parallel_terms.is_parallel(setup):
         layout = parallel_terms.RankLayout.of(model, setup, weight_bytes, adapter_bytes, state_bytes_allocator,
@@ -163,17 +223,62 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
                                               _numels(adapters.trainable_tensor_shapes(model, setup))
                                               if setup.method in ("full", "freeze") else None)
         resident = {**resident, **layout.resident}
+    return _Resident(w, trainable, trainable_bytes, resident, layout)
 
-    # ---- the step, op by op ----------------------------------------------------------------------------
+
+# ---- the step, op by op --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """The tape of one step as it is recorded, and what the recording found besides."""
+
+    tape: Tape
+    ag: Autograd
+    rank: "parallel_terms.RankStep | None"
+    """A multi-GPU rank's hooks (parallel.py `RankStep`), around the single-GPU step; None on one GPU."""
+    k_ckpt: int
+    """Decoder layers under activation checkpointing (the first k)."""
+    host_bytes: int = 0
+    """Offloaded checkpoint inputs, in pinned host memory."""
+
+
+def _record_step(model: ModelSpec, setup: TrainSetup, res: _Resident) -> _Step:
+    """Forward, backward (and the next micro-batch with gradient accumulation), optimizer step, onto one tape."""
     tape = Tape()
     ag = Autograd(tape)
-    b, s = setup.batch_size, setup.seq_len_tokens
-    T = b * s
+    ctx = _layer_context(model, setup, res.act_bytes)
     mode = setup.checkpointed_layers_mode
     k_ckpt = {"none": 0, "full": model.num_layers, "offload": model.num_layers}.get(mode, setup.selective_k() or 0)
-    inputs_require_grad = mode != "none" or setup.method == "full"  # enable_input_require_grads() with checkpointing
-    ctx = LayerContext(
-        model=model, batch_size=b, seq_len_tokens=s, act_bytes=w,
+    step_start = len(tape.events)
+    rank = None if res.layout is None else parallel_terms.RankStep(res.layout, ag, model.num_layers, setup.optimizer)
+    step = _Step(tape, ag, rank, k_ckpt)
+    loss, inputs = _record_forward(step, model, setup, ctx)
+    # ---- backward
+    if rank:
+        rank.start_backward()
+    ag.seed_grad(loss, FP32, "grad:loss")
+    ag.backward()
+    if rank:
+        rank.end_backward()
+    ag.release_held()  # `out` is rebound by the next step's forward: gone before the optimizer step ends
+    tape.free(*inputs, loss.tid)
+    if setup.grad_accum > 1:
+        _next_micro_batch(tape, step_start)
+    # ---- optimizer step
+    tape.phase = OPTIMIZER_STEP
+    if rank:
+        rank.optimizer_step()  # the rank's share of the step, then zero_grad
+    else:
+        _record_optimizer_step(tape, ag, model, setup, res.trainable_bytes)
+    return step
+
+
+def _layer_context(model: ModelSpec, setup: TrainSetup, w: int) -> LayerContext:
+    """What every decoder layer of the step shares: shapes, dtypes, LoRA, attention, the chosen techniques."""
+    mode = setup.checkpointed_layers_mode
+    return LayerContext(
+        model=model, batch_size=setup.batch_size, seq_len_tokens=setup.seq_len_tokens, act_bytes=w,
         lora_targets=adapters.lora_targets(model, setup), lora_rank=setup.lora_rank,
         qlora=setup.method == "qlora", trainable_base=setup.method == "full", attn=setup.attn,
         use_cache=mode == "none" and setup.stack == "hf",
@@ -181,29 +286,51 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         lean_lora=setup.lean_lora, lean_norm_rows=LEAN_NORM_ROWS if setup.lean_norm else 0,
         liger=setup.kernels == "liger", compiled=setup.compile == "layers",
     )
-    step_start = len(tape.events)
-    rank = parallel_terms.RankStep(layout, ag, model.num_layers, setup.optimizer) if layout is not None else None
+
+
+def _record_forward(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: LayerContext) -> tuple[Tensor, tuple]:
+    """The forward: inputs, embedding, decoder layers, final norm, loss. Returns the loss and the inputs that live
+    until the end of backward (input ids, shifted labels, RoPE cos/sin); the attention mask is freed here."""
+    tape, ag, rank, w = step.tape, step.ag, step.rank, ctx.act_bytes
+    T = setup.batch_size * setup.seq_len_tokens
+    mode = setup.checkpointed_layers_mode
+    inputs_require_grad = mode != "none" or setup.method == "full"  # enable_input_require_grads() with checkpointing
     if rank:
         rank.start_forward()
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
     labels = tape.alloc(8 * T, ACTIVATIONS, "shift_labels")
-    cos_sin = tape.alloc(overheads.rope_cache_bytes(model, s, w), ACTIVATIONS, "rope cos/sin")
+    cos_sin = tape.alloc(overheads.rope_cache_bytes(model, setup.seq_len_tokens, w), ACTIVATIONS, "rope cos/sin")
     mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
     x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
     if rank:
         rank.after_embedding()
-    if setup.method == "full":
-        # The embedding's backward (embedding_dense_backward) writes a vocab x hidden gradient at the very end of
-        # backward: a new parameter gradient, or with tied weights a temporary summed into lm_head's .grad.
-        emb_grad = w * model.vocab_size * model.hidden_size
-        if model.tie_word_embeddings:
-            ag.record(x, [], [], [], extra_bytes=emb_grad, label="embedding (tied)")
-        else:
-            ag.record(x, [], [], [], param_grad_bytes=emb_grad, label="embedding")
+    _record_embedding_backward(ag, model, setup, x, w)
     if inputs_require_grad and mode == "none":
         ag.save_only([x], "embedding output")  # kept alive with requires_grad (measured: 2 x h bytes/token)
-    host_bytes = 0
+    x = _record_layers(step, model, setup, ctx, x)
+    loss = _record_head(step, model, setup, ctx, x, T)
+    tape.free(mask)
+    return loss, (cos_sin, ids, labels)
+
+
+def _record_embedding_backward(ag: Autograd, model: ModelSpec, setup: TrainSetup, x: Tensor, w: int) -> None:
+    """Full fine-tuning: the embedding's backward (embedding_dense_backward) writes a vocab x hidden gradient at the
+    very end of backward: a new parameter gradient, or with tied weights a temporary summed into lm_head's .grad."""
+    if setup.method != "full":
+        return
+    emb_grad = w * model.vocab_size * model.hidden_size
+    if model.tie_word_embeddings:
+        ag.record(x, [], [], [], extra_bytes=emb_grad, label="embedding (tied)")
+    else:
+        ag.record(x, [], [], [], param_grad_bytes=emb_grad, label="embedding")
+
+
+def _record_layers(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: LayerContext, x: Tensor) -> Tensor:
+    """The decoder layers, the first `k_ckpt` under activation checkpointing (their offloaded inputs counted into
+    `step.host_bytes`); freeze: the last `freeze_trainable_layers` train their base weights."""
+    ag, rank = step.ag, step.rank
+    offload = setup.checkpointed_layers_mode == "offload"
     freeze_from = model.num_layers - setup.freeze_trainable_layers if setup.method == "freeze" else None
     sliding = _sliding_layers(model)
     for layer in range(model.num_layers):
@@ -212,21 +339,26 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
             c = LayerContext(**{**ctx.__dict__, "trainable_base": True})
         if rank:
             rank.before_layer(layer)
-        if layer < k_ckpt:
-            y, offloaded = _checkpointed_layer(ag, c, x, layer in sliding, offload=mode == "offload")
-            host_bytes += offloaded
+        if layer < step.k_ckpt:
+            y, offloaded = _checkpointed_layer(ag, c, x, layer in sliding, offload=offload)
+            step.host_bytes += offloaded
         else:
             y = decoder_layer(ag, c, x, layer in sliding)
         if rank:
             rank.after_layer(layer)
         ag.drop(x)
         x = y
-    gemma = model.model_type.startswith("gemma")
+    return x
+
+
+def _record_head(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: LayerContext, x: Tensor, T: int) -> Tensor:
+    """Final norm, lm_head and loss (loss.py), then the model output dropped (or held: keep_outputs)."""
     from .layers import rms_norm  # local: keeps the import list above about composition
 
-    if rank:
-        rank.before_head()
-    h = rms_norm(ag, ctx, x, model.hidden_size, "final_norm", gemma)
+    ag, w = step.ag, ctx.act_bytes
+    if step.rank:
+        step.rank.before_head()
+    h = rms_norm(ag, ctx, x, model.hidden_size, "final_norm", model.rms_norm_one_plus_weight)  # Gemma
     ag.drop(x)
     if setup.loss == "chunked":
         loss = loss_terms.chunked_loss(ag, model, h, T, w, lm_head_trainable=setup.method == "full",
@@ -238,47 +370,39 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     if setup.keep_outputs:  # `out = model(**batch)` holds its logits and KV cache until the step ends
         ag.hold(*ag.forward_end)
     ag.drop(*ag.forward_end)  # the model output (logits, KV cache) is dropped once `.loss` is read
-    tape.free(mask)
-    # ---- backward --------------------------------------------------------------------------------------
-    if rank:
-        rank.start_backward()
-    ag.seed_grad(loss, FP32, "grad:loss")
-    ag.backward()
-    if rank:
-        rank.end_backward()
-    ag.release_held()  # `out` is rebound by the next step's forward: gone before the optimizer step ends
-    tape.free(cos_sin, ids, labels, loss.tid)
-    if setup.grad_accum > 1:
-        _next_micro_batch(tape, step_start)
-    # ---- optimizer step --------------------------------------------------------------------------------
-    tape.phase = OPTIMIZER_STEP
-    if rank:
-        rank.optimizer_step()  # the rank's share of the step, then zero_grad
-    else:
-        largest, per = _largest_trainable(model, setup)
-        step_bytes = opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes, largest, per)
-        if setup.optimizer == "adafactor" and setup.method in ("full", "freeze"):
-            # one parameter at a time: its fp32 copies, freed before the next parameter's
-            copies = opt_terms.adafactor_step_transient_bytes(1, per) // 4
-            for n in _numels(adapters.trainable_tensor_shapes(model, setup)):
-                tape.free(*[tape.alloc(4 * n, TRANSIENTS, "optimizer step") for _ in range(copies)])
-            sizes = []
-        elif setup.optimizer == "adafactor" and largest:
-            # separate fp32 copies of one tensor (the allocator places each on its own)
-            sizes = [4 * largest] * (step_bytes // (4 * largest))
-        elif setup.optimizer == "adamw" and setup.method in ("full", "freeze"):
-            # the foreach step's temporaries (`torch._foreach_sqrt(exp_avg_sqs)`) are one tensor per parameter
-            sizes = [n * per for n in _numels(adapters.trainable_tensor_shapes(model, setup))]
-        else:
-            sizes = [step_bytes]
-        step_tmps = [tape.alloc(n, TRANSIENTS, "optimizer step") for n in sizes if n]
-        tape.free(*step_tmps)
-        tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
+    return loss
 
-    forward_saved = _live_at_end_of_forward(tape.events, (ACTIVATIONS, LOGITS)) - FP32  # minus the loss scalar
-    phases = replay(tape.events, resident)
-    peak_phase = max(phases, key=lambda p: phases[p].peak_bytes)
-    peak_alloc = phases[peak_phase].peak_bytes
+
+def _record_optimizer_step(tape: Tape, ag: Autograd, model: ModelSpec, setup: TrainSetup, trainable_bytes: int) -> None:
+    """One GPU: the optimizer step's temporaries (optimizer.py), then `zero_grad(set_to_none=True)`."""
+    largest, per = _largest_trainable(model, setup)
+    step_bytes = opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes, largest, per)
+    if setup.optimizer == "adafactor" and setup.method in ("full", "freeze"):
+        # one parameter at a time: its fp32 copies, freed before the next parameter's
+        copies = opt_terms.adafactor_step_transient_bytes(1, per) // 4
+        for n in _numels(adapters.trainable_tensor_shapes(model, setup)):
+            tape.free(*[tape.alloc(4 * n, TRANSIENTS, "optimizer step") for _ in range(copies)])
+        sizes = []
+    elif setup.optimizer == "adafactor" and largest:
+        # separate fp32 copies of one tensor (the allocator places each on its own)
+        sizes = [4 * largest] * (step_bytes // (4 * largest))
+    elif setup.optimizer == "adamw" and setup.method in ("full", "freeze"):
+        # the foreach step's temporaries (`torch._foreach_sqrt(exp_avg_sqs)`) are one tensor per parameter
+        sizes = [n * per for n in _numels(adapters.trainable_tensor_shapes(model, setup))]
+    else:
+        sizes = [step_bytes]
+    step_tmps = [tape.alloc(n, TRANSIENTS, "optimizer step") for n in sizes if n]
+    tape.free(*step_tmps)
+    tape.free(*ag.param_grads)  # zero_grad(set_to_none=True)
+
+
+# ---- the reserved peak -------------------------------------------------------------------------------------
+
+
+def _reserved_peak(model: ModelSpec, setup: TrainSetup, res: _Resident, step: _Step, allocator_steps: int) -> int:
+    """The caching allocator's reserved peak (allocator.py) over `allocator_steps` replays of the step's tape, after
+    the resident allocations in the order loading (or the strategy's initialisation) makes them."""
+    resident, layout = res.resident, res.layout
     lazy_state = setup_events = state_at = None
     if layout is None and setup.method in ("full", "freeze") and resident.get(OPTIMIZER, 0):
         # created by the first optimizer step, tensor by tensor, into what the backward left cached
@@ -294,7 +418,7 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
         # lazily by the first step, where the step's tape says (parallel.py `RankStep.optimizer_step`)
         blocks = []
         setup_events = _zero_setup_events(model, setup, resident, layout)
-        state_at = rank.state_points
+        state_at = step.rank.state_points
     elif layout.strategy in ("zero2", "zero3") and layout.resident.get(OPTIMIZER):
         # ZeRO (freeze, qlora): the flat fp32 master partition is made at initialisation; the optimizer's own state
         # over it (one flat tensor per state) lazily by the first step, into what the backward left cached
@@ -305,47 +429,21 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
                               optimizer_blocks=[master])
     else:
         blocks = _rank_blocks(_resident_blocks(model, setup, {**resident, OPTIMIZER: 0}), layout)
-    reserved, _ = replay_reserved(blocks, tape.events, steps=allocator_steps,
+    reserved, _ = replay_reserved(blocks, step.tape.events, steps=allocator_steps,
                                   expandable=setup.expandable_segments, first_step_state=lazy_state,
                                   setup_events=setup_events, first_step_state_at=state_at)
-    reserved = max(reserved, peak_alloc)
-    categories = CATEGORIES + (parallel_terms.PARALLEL_CATEGORIES if layout is not None else ())
-    breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in categories}
-    breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
-    if host_bytes:
-        per_layer = host_bytes // max(1, k_ckpt)
-        rounded = k_ckpt * (1 << (per_layer - 1).bit_length())
-        if rounded > host_bytes:
-            notes.append(f"pinned host memory: {host_bytes / GiB:.2f} GiB with PyTorch 2.13+ (fitune train asks for "
-                         f"exact-size pinned blocks); older PyTorch rounds each layer's block up to a power of two: "
-                         f"{rounded / GiB:.2f} GiB (measured on 2.11)")
-    if setup.stack == "fitune":
-        notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
-                     "checkpointing when chosen")
-    host_breakdown: dict[str, int] = {}
-    if layout is not None:
-        gpu = _rank_gpu(gpu, layout, notes)
-        host_breakdown = {**({"offloaded_checkpoints": host_bytes} if host_bytes else {}), **layout.host}
-        host_bytes += sum(layout.host.values())
-    return MemoryEstimate(
-        model=model.name,
-        setup=setup,
-        breakdown=breakdown,
-        phases={p: PhaseEstimate(v.peak_bytes, {k: v.by_category.get(k, 0) for k in categories}, v.at_label)
-                for p, v in phases.items()},
-        peak_phase=peak_phase,
-        peak_allocated_bytes=peak_alloc,
-        peak_reserved_bytes=reserved,
-        resident_bytes=resident,
-        trainable_params=trainable,
-        total_params=counts.total,
-        host_bytes=host_bytes,
-        forward_saved_bytes=forward_saved,
-        gpu=gpu,
-        notes=tuple(notes),
-        host_breakdown=host_breakdown,
-        tape=tape.events,
-    )
+    return reserved
+
+
+def _pinned_host_notes(host_bytes: int, k_ckpt: int) -> list[str]:
+    """Offloaded checkpoints: older PyTorch rounds each layer's pinned block up to a power of two (measured on 2.11)."""
+    per_layer = host_bytes // max(1, k_ckpt)
+    rounded = k_ckpt * (1 << (per_layer - 1).bit_length())
+    if rounded <= host_bytes:
+        return []
+    return [f"pinned host memory: {host_bytes / GiB:.2f} GiB with PyTorch 2.13+ (fitune train asks for "
+            f"exact-size pinned blocks); older PyTorch rounds each layer's block up to a power of two: "
+            f"{rounded / GiB:.2f} GiB (measured on 2.11)"]
 
 
 def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: list[str]) -> GpuSpec | None:
@@ -535,16 +633,16 @@ def _resident_blocks(model: ModelSpec, setup: TrainSetup, resident: dict[str, in
 
 
 def _sliding_layers(model: ModelSpec) -> set[int]:
+    """The decoder layers with sliding-window attention: those config.json's `layer_types` names, else all but every
+    `full_attention_every_n_layers`-th (Gemma 2 and 3), else the last `sliding_window_layers` (specs/model.py)."""
     if not model.sliding_window_layers:
         return set()
     layer_types = model.hf_config.get("layer_types")
     if layer_types:
         return {i for i, t in enumerate(layer_types) if t == "sliding_attention"}
-    if model.model_type == "gemma2":
-        return {i for i in range(model.num_layers) if i % 2 == 0}
-    if model.model_type == "gemma3_text":
-        pattern = int(model.hf_config.get("sliding_window_pattern", 6))
-        return {i for i in range(model.num_layers) if (i + 1) % pattern != 0}
+    n = model.full_attention_every_n_layers
+    if n:
+        return {i for i in range(model.num_layers) if (i + 1) % n != 0}
     return set(range(model.num_layers - model.sliding_window_layers, model.num_layers))
 
 

@@ -267,32 +267,53 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     token); its backward allocates an fp32 dq accumulator and, under GQA, full-head dk/dv before reducing them
     (flash_api.cpp `mha_bwd`). With a sliding-window mask (a window shorter than the sequence) transformers
     repeats k/v to all heads and the memory-efficient kernel runs with the boolean mask.
-    Eager (modeling_llama.py `eager_attention_forward`): `repeat_kv` copies k and v to all heads, the scores are
-    b x heads x s x s; softmax in fp32 saves its fp32 output, the bf16 cast is saved by the second matmul:
-    6 bytes per score, per layer (4 + 2; the attention dropout at p=0 saves no mask - measured).
+    Eager: `_eager_attention`.
     """
     m = c.model
-    T, w, b, s = c.tokens, c.act_bytes, c.batch_size, c.seq_len_tokens
+    masked = sliding and m.sliding_window is not None and c.seq_len_tokens > m.sliding_window
+    if c.attn in ("sdpa", "flash") and not (c.attn == "sdpa" and masked):
+        return _fused_attention(ag, c, q, k, v)
+    if c.attn == "sdpa":  # masked: repeat_kv + memory-efficient kernel
+        return _masked_sdpa(ag, c, q, k, v)
+    return _eager_attention(ag, c, q, k, v)
+
+
+def _fused_attention(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """SDPA's flash kernel (or flash-attn) without a mask: see `attention_core`."""
+    m, T, w = c.model, c.tokens, c.act_bytes
     qd = m.q_dim
     gqa = m.num_kv_heads != m.num_heads
-    masked = sliding and m.sliding_window is not None and s > m.sliding_window
-    if c.attn in ("sdpa", "flash") and not (c.attn == "sdpa" and masked):
-        out = ag.new(w * qd * T, True, "attn:out")
-        lse = ag.new(FP32 * m.num_heads * T, True, "attn:lse")
-        extra = FP32 * qd * T + FP32 * m.num_heads * T + (2 * w * qd * T if gqa else 0)
-        ag.record(out, [q, k, v], [q, k, v, out, lse], [q.nbytes, k.nbytes, v.nbytes], extra_bytes=extra, label="sdpa")
-        ag.drop(lse)
-        return out
-    if c.attn == "sdpa":  # masked: repeat_kv + memory-efficient kernel
-        k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
-        out = ag.new(w * qd * T, True, "attn:out")
-        lse = ag.new(FP32 * m.num_heads * b * (-(-s // 32) * 32), True, "attn:lse")
-        extra = FP32 * qd * T + FP32 * m.num_heads * T
-        ag.record(out, [q, k_rep, v_rep], [q, k_rep, v_rep, out, lse], [q.nbytes, k_rep.nbytes, v_rep.nbytes],
-                  extra_bytes=extra, label="sdpa-masked")
-        ag.drop(lse, *((k_rep, v_rep) if gqa else ()))
-        return out
-    # eager
+    out = ag.new(w * qd * T, True, "attn:out")
+    lse = ag.new(FP32 * m.num_heads * T, True, "attn:lse")
+    extra = FP32 * qd * T + FP32 * m.num_heads * T + (2 * w * qd * T if gqa else 0)
+    ag.record(out, [q, k, v], [q, k, v, out, lse], [q.nbytes, k.nbytes, v.nbytes], extra_bytes=extra, label="sdpa")
+    ag.drop(lse)
+    return out
+
+
+def _masked_sdpa(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """SDPA with a sliding-window mask: k/v repeated to all heads, the memory-efficient kernel (its log-sum-exp
+    padded to 32 positions)."""
+    m, T, w, b, s = c.model, c.tokens, c.act_bytes, c.batch_size, c.seq_len_tokens
+    qd = m.q_dim
+    gqa = m.num_kv_heads != m.num_heads
+    k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
+    out = ag.new(w * qd * T, True, "attn:out")
+    lse = ag.new(FP32 * m.num_heads * b * (-(-s // 32) * 32), True, "attn:lse")
+    extra = FP32 * qd * T + FP32 * m.num_heads * T
+    ag.record(out, [q, k_rep, v_rep], [q, k_rep, v_rep, out, lse], [q.nbytes, k_rep.nbytes, v_rep.nbytes],
+              extra_bytes=extra, label="sdpa-masked")
+    ag.drop(lse, *((k_rep, v_rep) if gqa else ()))
+    return out
+
+
+def _eager_attention(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Eager attention (modeling_llama.py `eager_attention_forward`): `repeat_kv` copies k and v to all heads, the
+    scores are b x heads x s x s; softmax in fp32 saves its fp32 output, the bf16 cast is saved by the second
+    matmul: 6 bytes per score, per layer (4 + 2; the attention dropout at p=0 saves no mask - measured).
+    """
+    m, T, w, b, s = c.model, c.tokens, c.act_bytes, c.batch_size, c.seq_len_tokens
+    gqa = m.num_kv_heads != m.num_heads
     k_rep, v_rep = _repeat_kv(ag, c, k, v) if gqa else (k, v)
     n_scores = b * m.num_heads * s * s
     # matmul(q, k.transpose(2, 3)) folds to bmm with a contiguous copy of the transposed keys; that copy is what
@@ -306,15 +327,38 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     ag.record(scaled, [scores], [], [scores.nbytes])  # mul/div by a constant: the gradient is a new tensor
     ag.drop(scores)
     if m.attn_logit_softcapping:
-        div = ag.new(w * n_scores, True, "attn:softcap/")
-        ag.record(div, [scaled], [], [scaled.nbytes])  # mul/div by a constant: the gradient is a new tensor
-        ag.drop(scaled)
-        th = ag.new(w * n_scores, True, "attn:tanh")
-        ag.record(th, [div], [th], [w * n_scores], label="softcap-tanh")
-        ag.drop(div)
-        scaled = ag.new(w * n_scores, True, "attn:softcap*")
-        ag.record(scaled, [th], [], [th.nbytes])  # mul/div by a constant: the gradient is a new tensor
-        ag.drop(th)
+        scaled = _softcap_scores(ag, scaled, w * n_scores)
+    p = _eager_softmax(ag, scaled, w, n_scores)
+    out = ag.new(w * m.q_dim * T, True, "attn:pv")
+    # bmm's backward writes the gradient of its second operand first (measured traces)
+    ag.record(out, [v_rep, p], [p, v_rep], [v_rep.nbytes, p.nbytes], label="pv")
+    ag.drop(p)
+    if gqa:  # `key_states` / `value_states` live until the attention module returns
+        ag.defer_until_return(k_rep, v_rep)
+    # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout; in backward, bmm needs the
+    # transposed gradient contiguous again: a copy of the same size
+    out2 = ag.new(out.nbytes, True, "attn:contiguous")
+    ag.record(out2, [out], [], [out.nbytes])
+    ag.drop(out)
+    return out2
+
+
+def _softcap_scores(ag: Autograd, scaled: Tensor, nbytes: int) -> Tensor:
+    """Gemma 2's logit soft-capping of the scores, `tanh(scores / cap) * cap`: tanh saves its output."""
+    div = ag.new(nbytes, True, "attn:softcap/")
+    ag.record(div, [scaled], [], [scaled.nbytes])  # mul/div by a constant: the gradient is a new tensor
+    ag.drop(scaled)
+    th = ag.new(nbytes, True, "attn:tanh")
+    ag.record(th, [div], [th], [nbytes], label="softcap-tanh")
+    ag.drop(div)
+    capped = ag.new(nbytes, True, "attn:softcap*")
+    ag.record(capped, [th], [], [th.nbytes])  # mul/div by a constant: the gradient is a new tensor
+    ag.drop(th)
+    return capped
+
+
+def _eager_softmax(ag: Autograd, scaled: Tensor, w: int, n_scores: int) -> Tensor:
+    """The mask (a pass-through add), softmax in fp32 and the cast back to the activation dtype: the probabilities."""
     masked_scores = ag.new(w * n_scores, True, "attn:masked")
     ag.record_passthrough(masked_scores, [scaled])
     ag.drop(scaled)
@@ -329,18 +373,7 @@ def attention_core(ag: Autograd, c: LayerContext, q: Tensor, k: Tensor, v: Tenso
     p = ag.new(w * n_scores, True, "attn:probs")
     ag.record(p, [p32], [], [FP32 * n_scores], label="probs-cast")
     ag.drop(p32)
-    out = ag.new(w * qd * T, True, "attn:pv")
-    # bmm's backward writes the gradient of its second operand first (measured traces)
-    ag.record(out, [v_rep, p], [p, v_rep], [v_rep.nbytes, p.nbytes], label="pv")
-    ag.drop(p)
-    if gqa:  # `key_states` / `value_states` live until the attention module returns
-        ag.defer_until_return(k_rep, v_rep)
-    # `attn_output.transpose(1, 2).contiguous()`: a copy for the eager layout; in backward, bmm needs the
-    # transposed gradient contiguous again: a copy of the same size
-    out2 = ag.new(out.nbytes, True, "attn:contiguous")
-    ag.record(out2, [out], [], [out.nbytes])
-    ag.drop(out)
-    return out2
+    return p
 
 
 def _repeat_kv(ag: Autograd, c: LayerContext, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -370,9 +403,9 @@ def attention_block(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool) -> 
         k = linear(ag, c, x, lins["k_proj"])
         v = linear(ag, c, x, lins["v_proj"])
     if m.qk_norm:
-        q2 = rms_norm(ag, c, q, m.head_dim, "q_norm", gemma=m.model_type.startswith("gemma"))
+        q2 = rms_norm(ag, c, q, m.head_dim, "q_norm", gemma=m.rms_norm_one_plus_weight)
         ag.drop(q)
-        k2 = rms_norm(ag, c, k, m.head_dim, "k_norm", gemma=m.model_type.startswith("gemma"))
+        k2 = rms_norm(ag, c, k, m.head_dim, "k_norm", gemma=m.rms_norm_one_plus_weight)
         ag.drop(k)
         q, k = q2, k2
     q2 = rope(ag, c, q, "rope_q")
@@ -505,7 +538,7 @@ def residual_add(ag: Autograd, c: LayerContext, x: Tensor, y: Tensor, label: str
 def decoder_layer(ag: Autograd, c: LayerContext, x: Tensor, sliding: bool) -> Tensor:
     """One decoder layer: pre-norm attention and MLP with residuals (Gemma 2/3 add post-norms)."""
     m = c.model
-    gemma = m.model_type.startswith("gemma")
+    gemma = m.rms_norm_one_plus_weight  # Gemma's norms: (1 + weight) in fp32
     n = rms_norm(ag, c, x, m.hidden_size, "input_norm", gemma)
     a = attention_block(ag, c, n, sliding)
     ag.drop(n)

@@ -163,25 +163,24 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     """Python that trains the plan with transformers' Trainer + PEFT (the user's own script, same memory)."""
     s: TrainSetup = plan.setup
     model_ref = hf_id or model_location(model_arg)[0]
-    dtype = "torch.bfloat16" if s.dtype == "bf16" or s.method == "qlora" else (
-        "torch.float16" if s.dtype == "fp16" else "torch.float32")
-    imports = ["from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments"]
-    if s.method == "qlora":
-        imports[0] = ("from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Trainer, "
-                      "TrainingArguments")
-    if s.method in ("lora", "qlora"):
-        imports.append("from peft import LoraConfig, get_peft_model")
-    load = ["model = AutoModelForCausalLM.from_pretrained(",
-            f"    {py_literal(model_ref)},",
-            f"    dtype={dtype},",
-            f"    attn_implementation={json.dumps(HF_ATTN[s.attn])},"]
-    if s.method == "qlora":
-        load += ["    quantization_config=BitsAndBytesConfig(",
-                 '        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
-                 "        bnb_4bit_compute_dtype=torch.bfloat16,",
-                 "    ),",
-                 '    device_map={"": 0},']
-    load.append(")")
+    techniques = _fitune_techniques(s)
+    body = _hf_header(plan, req)
+    body += _hf_imports(s, techniques)
+    body.append("")
+    body += _hf_load_model(s, model_ref)
+    body.append("model.config.use_cache = False  # no KV cache in training")
+    body += _hf_adapt_model(s)
+    body += [line for _, _, lines in techniques for line in lines]
+    if s.loss == "chunked":
+        body += _CHUNKED_LOSS_TRAINER
+    body += _hf_trainer(plan, model_ref, data_path)
+    # Comments quote what the user typed (the GPU, the data path): each stays one line, whatever it holds.
+    return "\n".join(one_line(line) if line.lstrip().startswith("#") else line for line in body)
+
+
+def _hf_header(plan: Plan, req: PlanRequest) -> list[str]:
+    """The script's first comments: the setup, its estimate and predicted speed, how to launch it, what it needs."""
+    s = plan.setup
     body = [f"# fitune plan: {describe(s)}" + (", packing" if plan.packing else ""),
             f"# estimate: {plan.peak_allocated_bytes / GiB:.2f} GiB allocated, {plan.peak_reserved_bytes / GiB:.2f} GiB "
             f"reserved of {plan.budget_bytes / GiB:.2f} GiB ({req.gpu.name}); predicted "
@@ -197,7 +196,18 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                     + "; set it up in TrainingArguments (fsdp= or deepspeed=) and launch with torchrun / accelerate")
     if plan.requires:
         body.append(f"# needs: {', '.join(plan.requires)}")
-    techniques = _fitune_techniques(s)
+    return body
+
+
+def _hf_imports(s: TrainSetup, techniques: list[tuple[str, str, list[str]]]) -> list[str]:
+    """The allocator setting (before torch starts), then the imports: transformers, PEFT, fitune's techniques."""
+    imports = ["from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments"]
+    if s.method == "qlora":
+        imports[0] = ("from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, Trainer, "
+                      "TrainingArguments")
+    if s.method in ("lora", "qlora"):
+        imports.append("from peft import LoraConfig, get_peft_model")
+    body = []
     if s.expandable_segments:
         body += ["import os", "",
                  'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch uses the GPU']
@@ -205,9 +215,30 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
     if techniques:
         body += ["# fitune's techniques that this plan's memory estimate counts on (pip install fitune; each is exact)"]
         body += [f"from fitune.runtime.techniques.{module} import {name}" for module, name, _ in techniques]
-    body.append("")
-    body += load
-    body.append("model.config.use_cache = False  # no KV cache in training")
+    return body
+
+
+def _hf_load_model(s: TrainSetup, model_ref: str) -> list[str]:
+    """`AutoModelForCausalLM.from_pretrained(...)` in the plan's dtype and attention (4-bit NF4 for QLoRA)."""
+    dtype = "torch.bfloat16" if s.dtype == "bf16" or s.method == "qlora" else (
+        "torch.float16" if s.dtype == "fp16" else "torch.float32")
+    load = ["model = AutoModelForCausalLM.from_pretrained(",
+            f"    {py_literal(model_ref)},",
+            f"    dtype={dtype},",
+            f"    attn_implementation={json.dumps(HF_ATTN[s.attn])},"]
+    if s.method == "qlora":
+        load += ["    quantization_config=BitsAndBytesConfig(",
+                 '        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
+                 "        bnb_4bit_compute_dtype=torch.bfloat16,",
+                 "    ),",
+                 '    device_map={"": 0},']
+    load.append(")")
+    return load
+
+
+def _hf_adapt_model(s: TrainSetup) -> list[str]:
+    """Liger's kernels, then what trains: PEFT's LoRA, or the last layers (freeze)."""
+    body = []
     if s.kernels == "liger":
         body.append("enable_liger_kernels(model)  # Liger's fused RMSNorm, SwiGLU and RoPE, before LoRA wraps the model")
     if s.method in ("lora", "qlora"):
@@ -223,30 +254,39 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                  f"for layer in model.model.layers[-{s.freeze_trainable_layers}:]:  # the last layers train",
                  "    for p in layer.parameters():",
                  "        p.requires_grad_(True)"]
-    body += [line for _, _, lines in techniques for line in lines]
-    if s.loss == "chunked":
-        body += ["",
-                 "",
-                 "class ChunkedLossTrainer(Trainer):",
-                 '    """Trainer whose loss never materialises the whole sequence\'s logits (fitune\'s chunked loss)."""',
-                 "",
-                 "    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):",
-                 "        inputs = dict(inputs)",
-                 '        loss = causal_lm_chunked_loss(model, inputs.pop("input_ids"), inputs.pop("labels"),',
-                 "                                      num_items=num_items_in_batch, use_cache=False, **inputs)",
-                 "        return (loss, None) if return_outputs else loss",
-                 ""]
-    body += ["",
-             f"tokenizer = AutoTokenizer.from_pretrained({py_literal(model_ref)})",
-             f"# train_dataset: tokenized examples (input_ids, labels) of at most {s.seq_len_tokens} tokens"
-             + (f", from {py_literal(data_path)}" if data_path else "")
-             + ("; packed into rows of that length (e.g. TRL SFTConfig(packing=True))" if plan.packing else ""),
-             "train_dataset = ...",
-             "",
-             "args = TrainingArguments(",
-             f"    output_dir={json.dumps('runs/' + s.method)},",
-             f"    per_device_train_batch_size={s.batch_size},",
-             f"    gradient_accumulation_steps={s.grad_accum},"]
+    return body
+
+
+#: The Trainer subclass a plan with fitune's chunked loss writes (its import comes with the techniques).
+_CHUNKED_LOSS_TRAINER = [
+    "",
+    "",
+    "class ChunkedLossTrainer(Trainer):",
+    '    """Trainer whose loss never materialises the whole sequence\'s logits (fitune\'s chunked loss)."""',
+    "",
+    "    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):",
+    "        inputs = dict(inputs)",
+    '        loss = causal_lm_chunked_loss(model, inputs.pop("input_ids"), inputs.pop("labels"),',
+    "                                      num_items=num_items_in_batch, use_cache=False, **inputs)",
+    "        return (loss, None) if return_outputs else loss",
+    "",
+]
+
+
+def _hf_trainer(plan: Plan, model_ref: str, data_path: str | None) -> list[str]:
+    """The tokenizer, the data set placeholder, TrainingArguments and the Trainer, then `trainer.train()`."""
+    s = plan.setup
+    body = ["",
+            f"tokenizer = AutoTokenizer.from_pretrained({py_literal(model_ref)})",
+            f"# train_dataset: tokenized examples (input_ids, labels) of at most {s.seq_len_tokens} tokens"
+            + (f", from {py_literal(data_path)}" if data_path else "")
+            + ("; packed into rows of that length (e.g. TRL SFTConfig(packing=True))" if plan.packing else ""),
+            "train_dataset = ...",
+            "",
+            "args = TrainingArguments(",
+            f"    output_dir={json.dumps('runs/' + s.method)},",
+            f"    per_device_train_batch_size={s.batch_size},",
+            f"    gradient_accumulation_steps={s.grad_accum},"]
     if s.grad_checkpointing != "none" and s.checkpointed_layers_mode != "offload":  # offload: set up above
         body += ["    gradient_checkpointing=True,",
                  '    gradient_checkpointing_kwargs={"use_reentrant": False},']
@@ -266,9 +306,7 @@ def hf_code(plan: Plan, req: PlanRequest, model_arg: str, hf_id: str | None = No
                     "input embedding table moves to CPU memory")
     body += ["trainer.train()",
              ""]
-    # Comments quote what the user typed (the GPU, the data path): each stays one line, whatever it holds.
-    return "\n".join(one_line(line) if line.lstrip().startswith("#") else line for line in body)
-
+    return body
 
 
 def _fitune_techniques(s: TrainSetup) -> list[tuple[str, str, list[str]]]:

@@ -114,7 +114,11 @@ class PlanRequest:
     allow_quantize: bool = True
     """False (--no-quantize): QLoRA is never suggested, even when nothing else fits."""
     host_ram_bytes: int | None = None
-    """Host memory, bytes: the runner loads bf16 weights on the CPU first (QLoRA streams them to the GPU)."""
+    """Host memory, bytes: plans whose host peak (loading, the pinned buffers of offloaded checkpoints, the outputs
+    written at the end: fitune/memory/phases.py) is over it are left out. None: not checked."""
+    host_ram_origin: str = "--host-ram"
+    """Where `host_ram_bytes` came from, as the rejections quote it: "--host-ram", "host RAM (this machine's)" or
+    "host RAM (assumed; --host-ram to change)"."""
     kernels: str = "torch"
     """torch (transformers' modules + fitune's lean RMSNorm) | liger (the user has liger-kernel: its fused RMSNorm,
     SwiGLU and RoPE; less memory and measured faster, bench/results/issue5/)."""
@@ -410,11 +414,10 @@ def _space(req: PlanRequest, methods: list[str]) -> tuple[list[_Group], dict[tup
                 unprobed[(method, gpus, strategy)] = micros
             ckpts, losses = (("none", "full"), ("hf",)) if req.keep_outputs else (RUNNABLE_CHECKPOINTING, req.losses)
             for micro, ckpt, attn, loss in itertools.product(micros, ckpts, req.attns, losses):
-                if ckpt == "offload" and req.host_ram_bytes is not None \
-                        and _offload_host_bytes(req, micro) > req.host_ram_bytes:
+                if ckpt == "offload" and _offload_over_host(req, micro):
                     continue  # the offloaded checkpoints would not fit in the host memory given
                 for emb in (False, True) if ckpt == "offload" and _embeddings_offloadable(req, method, gpus) else (False,):
-                    g = _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy,
+                    g = _Group(method, micro, ckpt, attn, _packing(req, micro, attn), loss, gpus=gpus, strategy=strategy,
                                offload_embeddings=emb)
                     g.score = (_tokens_per_s(req, _setup(req, g, "adamw"), g.packing)[1]
                                * (1 - SPEED_TIE * _nondefault(g)))
@@ -547,13 +550,13 @@ def _lightest_group(req: PlanRequest, method: str, micro: int, gpus: int, strate
     """The setup of an option (method, GPU count, strategy) at `micro` with checkpointing `ckpt` that needs the
     least memory among those the search visits: the chunked loss, the lightest attention, the embedding table on
     the CPU where that is searched; offloaded checkpoints become full where the host memory cannot hold them."""
-    if ckpt == "offload" and req.host_ram_bytes is not None and _offload_host_bytes(req, micro) > req.host_ram_bytes:
+    if ckpt == "offload" and _offload_over_host(req, micro):
         ckpt = "full"
     loss = "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf"
     known = [a for a in req.attns if a in _ATTN_MEMORY]
     attn = min(known, key=_ATTN_MEMORY.get) if known else req.attns[0]
     emb = ckpt == "offload" and _embeddings_offloadable(req, method, gpus)
-    return _Group(method, micro, ckpt, attn, _packing(req, micro), loss, gpus=gpus, strategy=strategy,
+    return _Group(method, micro, ckpt, attn, _packing(req, micro, attn), loss, gpus=gpus, strategy=strategy,
                   offload_embeddings=emb)
 
 
@@ -592,7 +595,23 @@ def _offload_host_bytes(req: PlanRequest, micro: int, seq_len_tokens: int | None
     return micro * seq * req.model.hidden_size * 2 * req.model.num_layers
 
 
-def _packing(req: PlanRequest, micro: int) -> bool:
+def _offload_over_host(req: PlanRequest, micro: int, seq_len_tokens: int | None = None) -> bool:
+    """Whether the training step's host memory with offloaded checkpoints (fitune/memory/phases.py
+    `train_step_host_bytes`: the process's baseline plus the pinned inputs, `_offload_host_bytes`) is over the
+    request's host RAM."""
+    if req.host_ram_bytes is None:
+        return False
+    from ..memory.phases import HOST_RUNTIME_BASELINE_BYTES
+
+    return HOST_RUNTIME_BASELINE_BYTES + _offload_host_bytes(req, micro, seq_len_tokens) > req.host_ram_bytes
+
+
+def _packing(req: PlanRequest, micro: int, attn: str) -> bool:
+    """Packing where it pays for the data; never with flash-attention 2 and more than one row per micro-batch,
+    which `fitune train` refuses (transformers finds packed examples in the position ids of one row only:
+    TrainConfig.validate), so such a plan runs its rows padded."""
+    if attn == "flash" and micro > 1:
+        return False
     return req.data is not None and packing_pays(req.data, req.seq_len_tokens, micro)
 
 
@@ -909,8 +928,7 @@ def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Pla
 def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, **changes) -> TrainSetup:
     attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
-    host = _offload_host_bytes(req, 1, seq_len_tokens)
-    ckpt = "offload" if (req.host_ram_bytes is None or host <= req.host_ram_bytes) and not req.keep_outputs else "full"
+    ckpt = "offload" if not _offload_over_host(req, 1, seq_len_tokens) and not req.keep_outputs else "full"
     g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf",
                offload_embeddings=_embeddings_offloadable(req, method, 0))  # 0: on the request's --gpus
     s = _setup(req, g, opt, **changes)
@@ -933,16 +951,21 @@ def _methods_without_plan(req: PlanRequest, fast: FastEstimator, methods: list[s
 
 
 def _host_ram_rejection(req: PlanRequest, method: str) -> Rejection | None:
-    """The runner loads bf16 weights on the CPU before moving them (from_pretrained, then .to(device)); QLoRA
-    quantises while loading onto the GPU. An assumption about peak host memory: the whole bf16 model."""
-    if req.host_ram_bytes is None or method == "qlora":
+    """A method whose run needs more host memory than the request has, whatever its setup
+    (fitune/memory/phases.py `run_host_floor`): loading (straight onto the GPU from a folder, a few tensors in
+    flight; the whole model dequantized on the CPU from a .gguf file) or the outputs written at the end (full /
+    freeze: save_pretrained copies the whole model to the host)."""
+    if req.host_ram_bytes is None:
         return None
-    need = weight_terms.weight_bytes(req.model, method, req.dtype)
+    from ..memory.phases import run_host_floor
+
+    source = "gguf" if req.model.gguf_weights_type else "folder"
+    need, phase, why = run_host_floor(req.model, _lightest(req, method), source)
     if need <= req.host_ram_bytes:
         return None
-    return Rejection(METHOD_LABELS[method], f"{METHOD_LABELS[method]}: loading needs {_fmt(need)} of host RAM (the runner "
-                     f"loads the {req.dtype} weights on the CPU first) > {_fmt(req.host_ram_bytes)} --host-ram",
-                     None, None, req.gpu.allocator_budget_bytes, "host_ram")
+    label = METHOD_LABELS[method]
+    return Rejection(label, f"{label}: {phase} needs {_fmt(need)} of host RAM ({why}) > {_fmt(req.host_ram_bytes)} "
+                     f"{req.host_ram_origin}", None, None, req.gpu.allocator_budget_bytes, "host_ram")
 
 
 def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -> tuple[FastEstimate | None, list[Change]]:

@@ -1,6 +1,6 @@
 """Compare the analytic estimate with measured GPU runs (bench/results/*/hf_recipe.jsonl). Pure Python.
 
-`python -m fitune.profile.accuracy FILE.jsonl` prints the per-case table and the summary the README quotes.
+`python -m fitune.profile.accuracy FILE.jsonl` prints the per-case table and the summary docs/accuracy.md quotes.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def summary(rows: list[AccuracyRow]) -> dict[str, float]:
 
 
 def method_table(rows: list[AccuracyRow]) -> str:
-    """The README's accuracy table: |error| of the peaks by method, optimizer and sample (in-sample: the estimator
+    """docs/accuracy.md's accuracy table: |error| of the peaks by method, optimizer and sample (in-sample: the estimator
     was fitted to or changed after these runs; out-of-sample: measured after its last change), median / max, %."""
     groups: dict[tuple[str, str, str], list[AccuracyRow]] = {}
     for r in rows:

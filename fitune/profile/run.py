@@ -103,11 +103,7 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
 
     from ..memory import estimate
     from ..runtime.device import configure_allocator, limit_allocator
-    from ..runtime.model import build_model_for_setup, prepare_model
-    from ..runtime.oom import build_report, is_oom
-    from ..runtime.optim import build_optimizer
-    from ..runtime.step import train_step
-    from .tracker import CATEGORIES, MemoryTracker, downsample
+    from .tracker import MemoryTracker
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
@@ -119,6 +115,31 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         torch.cuda.empty_cache()
         if cap_bytes is not None:
             limit_allocator(cap_bytes)
+    model, opt, ids = _build_run(model_spec, setup, source, device)
+    gc.collect()
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None
+    phases: dict[str, PhaseMeasurement] = {}
+    tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes, allocator_counters=cuda)
+    times, oom = _run_steps(model, opt, ids, setup, steps, tracker, phases, cuda, progress,
+                            post_mortem=dict(model_spec=model_spec, setup=setup, gpu=cap or gpu, device=device))
+    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else None
+    result = _result(model_spec, setup, device, cap_bytes, cap or gpu, est, phases, times, tracker, oom, retries)
+    del model, opt, ids
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        if cap_bytes is not None:
+            limit_allocator(None)
+    return result
+
+
+def _build_run(model_spec: ModelSpec, setup: TrainSetup, source: str | None, device: str):
+    """The model prepared for `setup` (LoRA, quantization, techniques), its optimizer and one batch of token ids."""
+    import torch
+
+    from ..runtime.model import build_model_for_setup, prepare_model
+    from ..runtime.optim import build_optimizer
+
     # a model folder with weights loads them; a catalog name or config.json gets random weights on `device`
     source = source or model_spec.name
     model = build_model_for_setup(source if os.path.isdir(source) else model_spec, setup, device)
@@ -126,12 +147,20 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(setup.optimizer, trainable, lr=1e-4)  # each optimizer's default weight decay
     ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)
-    gc.collect()
-    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None
-    phases: dict[str, PhaseMeasurement] = {}
+    return model, opt, ids
+
+
+def _run_steps(model, opt, ids, setup: TrainSetup, steps: int, tracker, phases: dict, cuda: bool, progress,
+               post_mortem: dict) -> tuple[list[float], dict | None]:
+    """Run the steps under the tracker, recording each phase's peak into `phases`: (the step times in seconds, the
+    OOM post-mortem as JSON or None). An OOM ends the run; anything else propagates."""
+    import torch
+
+    from ..runtime.oom import build_report, is_oom
+    from ..runtime.step import train_step
+
     times: list[float] = []
     oom = None
-    tracker = MemoryTracker(model, opt, cap_bytes=None if cuda else cap_bytes, allocator_counters=cuda)
 
     @contextlib.contextmanager
     def measured(phase: str):
@@ -160,21 +189,27 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     except Exception as exc:  # noqa: BLE001 - an OOM becomes a post-mortem; anything else propagates
         if not is_oom(exc):
             raise
-        rep = build_report(exc, tracker=tracker, model_spec=model_spec, setup=setup, gpu=cap or gpu, model=model,
-                           device=device)
+        rep = build_report(exc, tracker=tracker, model=model, **post_mortem)
         oom = rep.to_json()
         if tracker.phase in PHASES:
             _record_phase(phases, tracker.phase, tracker, cuda)
-    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else None
+    return times, oom
+
+
+def _result(model_spec: ModelSpec, setup: TrainSetup, device: str, cap_bytes: int | None, gpu: GpuSpec | None, est,
+            phases: dict, times: list[float], tracker, oom: dict | None, retries: int | None) -> ProfileResult:
+    """The measurements, the step time and MFU (against `gpu`), beside the estimate."""
+    from ..perf.flops import mfu
+    from .tracker import CATEGORIES, downsample
+
+    cuda = device == "cuda"
     peak_phase = max(phases, key=lambda p: phases[p].peak_allocated_bytes) if phases else "forward"
     peak = phases.get(peak_phase)
     step_time = min(times[1:] or times) if times else float("nan")
     tokens = setup.tokens_per_step
     tps = tokens / step_time if times else 0.0
-    from ..perf.flops import mfu
-
-    peak_tflops = (gpu or cap).peak_bf16_tflops if (gpu or cap) is not None else None
-    result = ProfileResult(
+    peak_tflops = gpu.peak_bf16_tflops if gpu is not None else None
+    return ProfileResult(
         model=model_spec.name, setup=setup, device=device, steps=len(times), cap_bytes=cap_bytes,
         phases=phases, peak_phase=peak_phase,
         peak_allocated_bytes=peak.peak_allocated_bytes if peak else 0,
@@ -191,13 +226,6 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
         memory_timeline=downsample(tracker.samples),
         estimate_timeline=est.timeline(),
     )
-    del model, opt, ids
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        if cap_bytes is not None:
-            limit_allocator(None)
-    return result
 
 
 def _record_phase(phases: dict, phase: str, tracker, cuda: bool) -> None:

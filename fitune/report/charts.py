@@ -218,6 +218,50 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
     if not pts:
         return (f'<figure class="chart"><figcaption><b>{esc(title)}</b></figcaption>'
                 '<p class="notes">nothing recorded</p></figure>')
+    frame, unit, y_ticks = _line_frame(pts, bytes_axis, width, height)
+    out = [f'<figure class="chart" data-chart="{esc(title)}"><figcaption><b>{esc(title)}</b>'
+           + (f" ({esc(unit)})" if unit else "") + "</figcaption>",
+           f'<svg viewBox="0 0 {width} {height}" width="{width}" role="img" aria-label="{esc(title)}">',
+           '<g class="axis">']
+    out += _line_axes(frame, y_ticks, bands, x_label)
+    for i, s in enumerate(stack):
+        out += _stack_area(frame, s, tops, i, bytes_axis, x_label, stack_marks)
+    for s in series:
+        out += _series_line(frame, s, bytes_axis, x_label, max_marks)
+    out.append("</svg>")
+    out += _line_legends(series, stack)
+    out.append("</figure>")
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """Where a line chart's plot area lies in its SVG, and the data ranges its axes span."""
+
+    width: int
+    height: int
+    left: int
+    right: int
+    top: int
+    pw: int
+    ph: int
+    x_lo: float
+    x_hi: float
+    y_min: float
+    y_max: float
+    size: float
+    """The y unit's size: values are divided by it (bytes to the axis unit)."""
+
+    def sx(self, v: float) -> float:
+        return self.left + self.pw * (v - self.x_lo) / (self.x_hi - self.x_lo)
+
+    def sy(self, v: float) -> float:
+        return self.top + self.ph * (1 - (v / self.size - self.y_min) / (self.y_max - self.y_min))
+
+
+def _line_frame(pts: list[tuple[float, float]], bytes_axis: bool, width: int,
+                height: int) -> tuple[_Frame, str, list[float]]:
+    """The plot frame over the points, the y axis unit ("" unless bytes) and its ticks (in that unit)."""
     left, right, top, bottom = 64, 14, 14, 38
     pw, ph = width - left - right, height - top - bottom
     xs = [p[0] for p in pts]
@@ -235,70 +279,79 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
     y_ticks = [start]
     while (y_ticks[-1] < y_hi - 1e-9 or len(y_ticks) < 2) and len(y_ticks) < MAX_TICKS:
         y_ticks.append(start + len(y_ticks) * step)
-    y_min, y_max = y_ticks[0], y_ticks[-1]
+    frame = _Frame(width, height, left, right, top, pw, ph, x_lo, x_hi, y_ticks[0], y_ticks[-1], size)
+    return frame, unit, y_ticks
 
-    def sx(v: float) -> float:
-        return left + pw * (v - x_lo) / (x_hi - x_lo)
 
-    def sy(v: float) -> float:
-        return top + ph * (1 - (v / size - y_min) / (y_max - y_min))
-
-    out = [f'<figure class="chart" data-chart="{esc(title)}"><figcaption><b>{esc(title)}</b>'
-           + (f" ({esc(unit)})" if unit else "") + "</figcaption>",
-           f'<svg viewBox="0 0 {width} {height}" width="{width}" role="img" aria-label="{esc(title)}">',
-           '<g class="axis">']
+def _line_axes(f: _Frame, y_ticks: list[float], bands, x_label: str) -> list[str]:
+    """The shaded bands, the y grid with its labels, the x tick labels and the x axis label (closes the axis group)."""
+    out = []
     for x0, x1, label, color in bands:
-        out.append(f'<rect x="{sx(x0):.1f}" y="{top}" width="{max(sx(x1) - sx(x0), 0.5):.1f}" height="{ph}" '
+        out.append(f'<rect x="{f.sx(x0):.1f}" y="{f.top}" width="{max(f.sx(x1) - f.sx(x0), 0.5):.1f}" height="{f.ph}" '
                    f'fill="{color}" fill-opacity="0.14" data-band="{esc(label)}"><title>{esc(label)}</title></rect>')
     for t in y_ticks:
-        yy = top + ph * (1 - (t - y_min) / (y_max - y_min))
-        out.append(f'<line class="grid" x1="{left}" x2="{width - right}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
-                   f'<text x="{left - 6}" y="{yy + 4:.1f}" text-anchor="end">{esc(format_value(t, 3))}</text>')
-    xt = nice_ticks(x_hi - x_lo, 6)
+        yy = f.top + f.ph * (1 - (t - f.y_min) / (f.y_max - f.y_min))
+        out.append(f'<line class="grid" x1="{f.left}" x2="{f.width - f.right}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
+                   f'<text x="{f.left - 6}" y="{yy + 4:.1f}" text-anchor="end">{esc(format_value(t, 3))}</text>')
+    xt = nice_ticks(f.x_hi - f.x_lo, 6)
     x_step = xt[1] - xt[0]
-    first = math.ceil(x_lo / x_step - 1e-9)
+    first = math.ceil(f.x_lo / x_step - 1e-9)
     for i in range(first, first + MAX_TICKS):  # counted, not added up: a step below the numbers' precision ends
         v = i * x_step
-        if v > x_hi + 1e-9:
+        if v > f.x_hi + 1e-9:
             break
-        out.append(f'<text x="{sx(v):.1f}" y="{height - 20}" text-anchor="middle">{esc(format_value(v, 3))}</text>')
-    out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">{esc(x_label)}</text></g>')
-    for i, s in enumerate(stack):
-        top_edge = tops[i]
-        bottom_edge = tops[i - 1] if i else [(x, 0.0) for x, _ in top_edge]
-        poly = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in top_edge + bottom_edge[::-1])
-        out.append(f'<g class="area" data-series="{esc(s.name)}"><polygon points="{poly}" fill="{fill(s.color)}" '
-                   f'fill-opacity="0.75" stroke="none"/>')
-        every = max(1, math.ceil(len(s.points) / max(1, stack_marks)))
-        for j in sorted(set(range(0, len(s.points), every)) | {len(s.points) - 1}):
-            x, y, k = s.points[j]
-            if not y:
-                continue
-            shown = format_bytes(y) if bytes_axis else format_value(y)
-            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(top_edge[j][1]):.1f}" r="1.6" fill="{fill(s.color)}" '
-                       f'data-key="{esc(k)}" data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} '
-                       f"{esc(format_value(x))}: {esc(shown)}</title></circle>")
-        out.append("</g>")
-    for s in series:
-        good = [(x, y, k) for x, y, k in s.points if y is not None and math.isfinite(y)]
-        if not good:
+        out.append(f'<text x="{f.sx(v):.1f}" y="{f.height - 20}" text-anchor="middle">{esc(format_value(v, 3))}</text>')
+    out.append(f'<text x="{f.left + f.pw / 2:.1f}" y="{f.height - 4}" text-anchor="middle">{esc(x_label)}</text></g>')
+    return out
+
+
+def _stack_area(f: _Frame, s: Series, tops: list[list[tuple[float, float]]], i: int, bytes_axis: bool, x_label: str,
+                stack_marks: int) -> list[str]:
+    """The i-th stacked area (between its top edge and the one below) with its marks on the top edge."""
+    top_edge = tops[i]
+    bottom_edge = tops[i - 1] if i else [(x, 0.0) for x, _ in top_edge]
+    poly = " ".join(f"{f.sx(x):.1f},{f.sy(y):.1f}" for x, y in top_edge + bottom_edge[::-1])
+    out = [f'<g class="area" data-series="{esc(s.name)}"><polygon points="{poly}" fill="{fill(s.color)}" '
+           f'fill-opacity="0.75" stroke="none"/>']
+    every = max(1, math.ceil(len(s.points) / max(1, stack_marks)))
+    for j in sorted(set(range(0, len(s.points), every)) | {len(s.points) - 1}):
+        x, y, k = s.points[j]
+        if not y:
             continue
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in good)
-        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
-        out.append(f'<g class="series" data-series="{esc(s.name)}"><polyline points="{path}" fill="none" '
-                   f'stroke="{s.color}" stroke-width="2"{dash}/>')
-        every = max(1, math.ceil(len(good) / max_marks))
-        marks = good[::every]
-        if marks[-1] is not good[-1]:
-            marks.append(good[-1])
-        r = 3.2 if len(marks) <= 60 else 2
-        for x, y, k in marks:
-            shown = format_bytes(y) if bytes_axis else format_value(y)
-            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{r}" fill="{s.color}" data-key="{esc(k)}" '
-                       f'data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} {esc(format_value(x))}: '
-                       f"{esc(shown)}</title></circle>")
-        out.append("</g>")
-    out.append("</svg>")
+        shown = format_bytes(y) if bytes_axis else format_value(y)
+        out.append(f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(top_edge[j][1]):.1f}" r="1.6" fill="{fill(s.color)}" '
+                   f'data-key="{esc(k)}" data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} '
+                   f"{esc(format_value(x))}: {esc(shown)}</title></circle>")
+    out.append("</g>")
+    return out
+
+
+def _series_line(f: _Frame, s: Series, bytes_axis: bool, x_label: str, max_marks: int) -> list[str]:
+    """One series' polyline over its finite points, with at most `max_marks` marks (the last one always)."""
+    good = [(x, y, k) for x, y, k in s.points if y is not None and math.isfinite(y)]
+    if not good:
+        return []
+    path = " ".join(f"{f.sx(x):.1f},{f.sy(y):.1f}" for x, y, _ in good)
+    dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+    out = [f'<g class="series" data-series="{esc(s.name)}"><polyline points="{path}" fill="none" '
+           f'stroke="{s.color}" stroke-width="2"{dash}/>']
+    every = max(1, math.ceil(len(good) / max_marks))
+    marks = good[::every]
+    if marks[-1] is not good[-1]:
+        marks.append(good[-1])
+    r = 3.2 if len(marks) <= 60 else 2
+    for x, y, k in marks:
+        shown = format_bytes(y) if bytes_axis else format_value(y)
+        out.append(f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(y):.1f}" r="{r}" fill="{s.color}" data-key="{esc(k)}" '
+                   f'data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} {esc(format_value(x))}: '
+                   f"{esc(shown)}</title></circle>")
+    out.append("</g>")
+    return out
+
+
+def _line_legends(series: list[Series], stack: list[Series]) -> list[str]:
+    """The stacked areas' legend (those with a value), then the lines' (when there are several, or areas too)."""
+    out = []
     if stack:
         out.append('<div class="legend">' + "".join(
             f'<span><span class="swatch" style="background:{s.color}"></span>{esc(s.name)}</span>'
@@ -309,5 +362,4 @@ def line_chart(series: list[Series], *, title: str, bytes_axis: bool = False, wi
             f'</span>{esc(s.name)}</span>' if stack else
             f'<span><span class="swatch" style="background:{s.color}"></span>{esc(s.name)}</span>'
             for s in series if s.points) + "</div>")
-    out.append("</figure>")
-    return "".join(out)
+    return out

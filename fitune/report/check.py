@@ -3,7 +3,7 @@ boolean or a list where fitune writes a number, and numbers no fitune output hol
 integer, infinity) each get one message naming the JSON path and the value, instead of a traceback or a chart
 that never finishes drawing.
 
-Which keys hold numbers follows the documents fitune writes (README / docs/plan.md "JSON output", metrics.jsonl
+Which keys hold numbers follows the documents fitune writes (docs/reference.md / docs/plan.md "JSON output", metrics.jsonl
 in fitune/train/loop.py): names ending in `_bytes`, `_params`, `_tokens`, `_per_s`, `_per_step`, `_time_s`, a few
 counts by name, and the category maps (`breakdown`, ...) whose values are byte counts.
 """

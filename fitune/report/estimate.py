@@ -105,6 +105,7 @@ def render(doc: dict, measured: dict | None = None) -> tuple[str, str]:
                                    f"phases.{name}.peak_allocated_bytes", doc="measured"))
         out.append(stacked_bars(prow, marker, caption="peak allocated per phase"))
 
+    out.append(run_phases_table(doc))
     suggestions = doc.get("suggestions") or []
     if suggestions:
         out.append("<h2>Changes that fit (one at a time)</h2>")
@@ -130,3 +131,24 @@ def render(doc: dict, measured: dict | None = None) -> tuple[str, str]:
         out.append("".join(f"<p>{x}</p>" for x in extra))
         out.append(notes_list(doc.get("notes")))
     return f"fitune estimate: {model}", "\n".join(out)
+
+
+def run_phases_table(doc: dict) -> str:
+    """Every phase of the run (`run_phases`, docs/phases.md): GPU allocated / reserved and host memory per phase,
+    the worst phase named. Empty for documents without them (the trace engine, older files)."""
+    phases = doc.get("run_phases") or []
+    if not phases:
+        return ""
+    rows = "".join(
+        f"<tr><td>{esc(p.get('name'))}</td>"
+        f"<td class=\"n\">{num_bytes(p.get('gpu_allocated_bytes'), f'run_phases.{i}.gpu_allocated_bytes')}</td>"
+        f"<td class=\"n\">{num_bytes(p.get('gpu_reserved_bytes'), f'run_phases.{i}.gpu_reserved_bytes')}</td>"
+        f"<td class=\"n\">{num_bytes(p.get('host_bytes'), f'run_phases.{i}.host_bytes')}</td>"
+        f"<td>{esc(p.get('note', ''))}</td></tr>" for i, p in enumerate(phases))
+    verdict_text = f"worst phase on the GPU: {esc(doc.get('worst_phase', '?'))}"
+    if "run_fits" in doc:
+        verdict_text += " (the whole run fits)" if doc["run_fits"] else " (the whole run does not fit)"
+    return ("<h2>Every phase of the run</h2>"
+            "<table><tr><th>phase</th><th class=\"n\">GPU allocated</th><th class=\"n\">GPU reserved</th>"
+            f"<th class=\"n\">host</th><th>what</th></tr>{rows}</table><p>{verdict_text}; host memory peaks in "
+            f"{esc(doc.get('host_peak_phase', '?'))}</p>")

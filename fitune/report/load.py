@@ -11,7 +11,7 @@ from .check import check_numbers
 
 KINDS = ("estimate", "plan", "profile", "train", "doctor")
 
-_SIGNATURE = {  # keys that tell the documents apart (the README's / docs/plan.md's JSON output)
+_SIGNATURE = {  # keys that tell the documents apart (docs/reference.md's / docs/plan.md's JSON output)
     "plan": ("plans", "request"),
     "profile": ("estimate", "difference_bytes"),
     "estimate": ("breakdown", "peak_phase"),

@@ -218,7 +218,7 @@ def hf_attn_implementation(attn: str, device: str, dtype_name: str = "bf16") -> 
     the estimator and `fitune plan` mean by it) on a CUDA GPU, refused without its package or in fp32. Off CUDA,
     where flash-attention 2 cannot run, a model built here (tests, the trace engine's CPU rehearsals) gets sdpa,
     whose CPU flash kernel saves what flash-attention does, and a warning says so; `fitune train` refuses `attn:
-    flash` without a GPU before it gets here (`fitune.config.preflight_problems`)."""
+    flash` without a GPU before it gets here (`fitune.train.preflight.preflight_problems`)."""
     if attn != "flash":
         return attn
     from .needs import FLASH, flash_dtype_problem, machine_problems

@@ -5,7 +5,7 @@
     machine_problems(needs, on_cuda)      one problem per option that needs a GPU this machine lacks, and one for
                                           every missing package together, with one pip command
 
-`fitune train` calls these in its preflight (`fitune.config.preflight_problems`), before the tokenizer, the data
+`fitune train` calls these in its preflight (`fitune.train.preflight.preflight_problems`), before the tokenizer, the data
 and the model load; the runtime's own checks (`build_model`, `build_optimizer`, `enable_liger_kernels`, the
 loggers) raise the same messages, from the same functions, when they are reached another way. Pure Python: torch
 is imported only by `cuda_available`, and only when it is installed.
@@ -138,3 +138,128 @@ def machine_problems(needs: list[Need], on_cuda: bool, has=None) -> list[str]:
         problems.append(packages_problem(needs, missing))
     return problems
 
+
+
+# ---- memory: the host's RAM and every phase of the run (issue 33) ----------------------------------------------
+
+#: A host shortfall is "clear" when the need is this much over what is available: MemAvailable moves by a few
+#: percent while other programs run, and the baseline in the need is a guess (fitune/memory/phases.py).
+HOST_SHORTFALL_RATIO = 1.1
+#: ... and when the model's own share (the need less the process's baseline) is at least this: a tiny test model
+#: is never refused on a busy machine.
+HOST_MODEL_SHARE_MIN_BYTES = 1 << 30
+
+
+def run_phases_for(cfg, on_cuda: bool):
+    """(ModelSpec, source, phase peaks) of the run `cfg` describes, or None when fitune cannot model its
+    architecture (then nothing is checked). Pure Python: the analytic estimator (no torch)."""
+    from ..errors import FituneError
+    from ..memory import estimate
+    from ..memory.phases import phase_peaks, source_of
+    from ..specs.model import load_model_spec
+
+    try:
+        spec = load_model_spec(cfg.model)
+        est = estimate(spec, cfg.setup, device="cuda" if on_cuda else "cpu")
+    except (FituneError, ValueError, KeyError, ZeroDivisionError, TypeError):
+        return None  # an architecture or config the estimator cannot model: the runtime's own checks apply
+    source = "random" if cfg.init == "random" else source_of(cfg.model)
+    return spec, source, phase_peaks(cfg.setup, spec, est, source=source, device="cuda" if on_cuda else "cpu")
+
+
+def host_ram_problems(cfg, on_cuda: bool, mem_available_bytes: int | None = None, phases=None) -> list[str]:
+    """What stops the run for host memory, said before loading: the load phase's or the training step's host bytes
+    (fitune/memory/phases.py) clearly over MemAvailable (`HOST_SHORTFALL_RATIO`, `HOST_MODEL_SHARE_MIN_BYTES`).
+    `mem_available_bytes`: /proc/meminfo MemAvailable when None (no check where there is none)."""
+    from ..memory.phases import HOST_RUNTIME_BASELINE_BYTES, meminfo_bytes
+    from ..units import gib
+
+    available = meminfo_bytes("MemAvailable") if mem_available_bytes is None else mem_available_bytes
+    phases = phases if phases is not None else run_phases_for(cfg, on_cuda)
+    if not available or phases is None:
+        return []
+    _, source, peaks = phases
+    problems = []
+    for p in peaks:
+        if p.name not in ("load", "train_step"):
+            continue
+        clear = (p.host_bytes > HOST_SHORTFALL_RATIO * available
+                 and p.host_bytes - HOST_RUNTIME_BASELINE_BYTES >= HOST_MODEL_SHARE_MIN_BYTES)
+        if clear:
+            problems.append(f"{'loading' if p.name == 'load' else 'the training step'} needs ~{gib(p.host_bytes)} of "
+                            f"host RAM ({p.note}), {gib(available)} available: {_host_fix(cfg, p.name, source, on_cuda)}")
+    return problems
+
+
+def _host_fix(cfg, phase: str, source: str, on_cuda: bool) -> str:
+    """What to change when `phase` needs more host memory than the machine has."""
+    close = "or close other programs (MemAvailable in /proc/meminfo)"
+    if phase == "train_step":
+        return ("grad_checkpointing: full keeps the checkpoints on the GPU instead of pinned host memory "
+                "(or a shorter seq_len / batch_size), " + close)
+    if not on_cuda:
+        return "train on a machine with a GPU (the weights load straight onto it), or a smaller model, " + close
+    if source == "gguf":
+        return ("point model: at the model's safetensors folder or Hub id instead of the .gguf file (transformers "
+                "dequantizes a whole GGUF on the CPU first; a folder loads straight onto the GPU), " + close)
+    if cfg.setup.method != "qlora":
+        return "method: qlora loads one tensor at a time instead of four, " + close
+    return close
+
+
+def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
+    """Phases of the run other than the training step whose GPU peak is over `gpu_budget_bytes` (the eval step
+    when data.eval_path is set, saving), said before the run; and `merge: true`, whose merged model goes
+    through host memory when it is written."""
+    from ..units import gib
+
+    phases = phases if phases is not None else run_phases_for(cfg, gpu_budget_bytes is not None)
+    if phases is None:
+        return []
+    spec, _, peaks = phases
+    out = []
+    checked = ("eval_step", "save") if cfg.data.eval_path else ("save",)
+    for p in peaks:
+        if gpu_budget_bytes is not None and p.name in checked and p.gpu_allocated_bytes > gpu_budget_bytes:
+            out.append(f"the {p.name} phase needs {gib(p.gpu_allocated_bytes)} of GPU memory > {gib(gpu_budget_bytes)} "
+                       f"budget ({p.note}): the run may stop there; "
+                       + ("use a smaller batch_size or loss: chunked for evaluation" if p.name == "eval_step"
+                          else "fewer trainable parameters"))
+    if getattr(cfg, "merge", False) and cfg.setup.method in ("lora", "qlora"):
+        from ..memory.phases import SAVE_PRETRAINED_SHARD_BYTES, dense_weight_bytes
+
+        merged = min(dense_weight_bytes(spec, "bf16" if cfg.setup.method == "qlora" else cfg.setup.dtype),
+                     SAVE_PRETRAINED_SHARD_BYTES)
+        out.append(f"merge: true writes the merged model at the end through host memory (~{gib(merged)} copied "
+                   "from the GPU by save_pretrained); `fitune merge` afterwards does the same with 5 GB shards")
+    return out
+
+
+def gpu_budget_bytes() -> int | None:
+    """PyTorch's allocator budget on this machine's first CUDA GPU (its memory less the CUDA context,
+    fitune/specs/gpu.py `cuda_context_bytes`); None without one. Imports torch."""
+    if not cuda_available():
+        return None
+    import torch
+
+    from ..specs.gpu import cuda_context_bytes
+
+    props = torch.cuda.get_device_properties(0)
+    return int(props.total_memory) - cuda_context_bytes(f"{props.major}.{props.minor}")
+
+
+def memory_problems(cfg, on_cuda: bool, warn=None) -> list[str]:
+    """`fitune train`'s memory preflight, before anything loads: the problems that stop the run
+    (`host_ram_problems`), after handing every `phase_warnings` line to `warn` (default: logging.warning)."""
+    import logging
+
+    phases = run_phases_for(cfg, on_cuda)
+    warn = warn or logging.getLogger(__name__).warning
+    budget = gpu_budget_bytes() if on_cuda else None
+    if on_cuda and getattr(cfg, "cap", None):  # the run caps the allocator at a smaller card's budget
+        from ..specs.gpu import resolve_gpu
+
+        budget = resolve_gpu(str(cfg.cap), "cap").allocator_budget_bytes
+    for line in phase_warnings(cfg, budget, phases):
+        warn(f"fitune train: {line}")
+    return host_ram_problems(cfg, on_cuda, phases=phases)

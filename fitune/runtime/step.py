@@ -72,6 +72,8 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
     # apart by their restarting position_ids) only when no cache is passed
     kwargs = {"use_cache": False, **{k: to_device(v, device) for k, v in without_default_inputs(extra).items()}}
+    if "position_ids" in kwargs:  # packed rows: their segment bounds, once per batch, for the varlen kernel
+        kwargs.update(_varlen_kernel_inputs(model, extra["position_ids"], input_ids.shape[0], device))
     input_ids, labels = to_device(input_ids, device), to_device(labels, device)
     num = to_device(torch.tensor(num_items), device) if num_items is not None else None
     if loss == "chunked":  # never materialise the whole sequence's logits
@@ -81,6 +83,19 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     if num is not None:
         kwargs["num_items_in_batch"] = num
     return model(input_ids=input_ids, labels=labels, **kwargs).loss
+
+
+def _varlen_kernel_inputs(model, position_ids: torch.Tensor, rows: int, device) -> dict:
+    """fitune's varlen attention (packing_attention: varlen): the packed rows' segment bounds, computed from the
+    batch's CPU position ids (no host sync) outside the model, so the compiled layers receive them as an input
+    (techniques/varlen_attention.py `varlen_inputs`); {} for any other attention."""
+    from .techniques.varlen_attention import varlen_inputs
+
+    packed = varlen_inputs(model, position_ids, rows, device)
+    if packed:
+        cu = to_device(packed["cu_seq_lens_q"], device)  # one copy for queries and keys (self-attention)
+        packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    return packed
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

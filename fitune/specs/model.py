@@ -19,6 +19,8 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe",
     "qwen2_moe",
 )
+#: The mixture-of-experts ones among them (routed experts; intermediate_size optional).
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class ModelSpec:
     fused_gate_up: bool = False
     sliding_window: int | None = None
     sliding_window_layers: int = 0
+    full_attention_every_n_layers: int = 0
+    """Which layers slide when config.json has no `layer_types`: every n-th layer (n, 2n, ...) attends to the whole
+    sequence and the others slide (Gemma 2: 2, transformers' `layer_idx % 2 == 0` slides; Gemma 3:
+    `sliding_window_pattern`, 6 by default). 0: the last `sliding_window_layers` layers slide (Qwen's
+    `max_window_layers`; all of them for Mistral, Mixtral, Phi-3)."""
+    rms_norm_one_plus_weight: bool = False
+    """RMSNorm scales by `(1 + weight)` in fp32 before casting back (Gemma's `GemmaRMSNorm`: one more fp32
+    temporary, no Liger / compiled / lean replacement); False: Llama's `weight * x.to(input_dtype)`."""
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     num_experts: int = 0
@@ -220,7 +230,7 @@ def check_hf_config(cfg: dict, model_type: str, required: tuple[str, ...] = REQU
             problems.append(f"{k} must be a positive number or null, got {_describe_json(v)}")
     experts = _get(cfg, "num_local_experts", "num_experts", default=0)
     per_token = cfg.get("num_experts_per_tok")
-    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe") and experts and per_token is not None \
+    if model_type in MOE_MODEL_TYPES and experts and per_token is not None \
             and not 1 <= per_token <= experts:
         problems.append(f"num_experts_per_tok must be from 1 to the {int(experts)} experts, got {per_token!r}")
     return problems
@@ -234,6 +244,42 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         UnknownModelError: a key the architecture needs is missing (the message names it).
     """
     label = name or source or "config.json"
+    cfg = _text_config(cfg, label)
+    model_type = _supported_model_type(cfg, label)
+    is_moe = model_type in MOE_MODEL_TYPES
+    _check_sizes(cfg, model_type, is_moe, label, source)
+
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    flags = _architecture_flags(cfg, model_type)
+    window, sliding_layers = _sliding_window(cfg, model_type, layers, flags["full_attention_every_n_layers"])
+    num_experts, moe_i, moe_layers = _moe_shape(cfg, is_moe, layers)
+    return ModelSpec(
+        name=name or cfg.get("_name_or_path", "") or "custom",
+        model_type=model_type,
+        hidden_size=h,
+        intermediate_size=int(_get(cfg, "intermediate_size", default=moe_i)),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(_get(cfg, "head_dim", default=h // heads)),
+        vocab_size=int(cfg["vocab_size"]),
+        sliding_window=window,
+        sliding_window_layers=sliding_layers,
+        num_experts=num_experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
+        moe_intermediate_size=moe_i,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        moe_layers=moe_layers,
+        source=source,
+        hf_config=dict(cfg),
+        **flags,
+    )
+
+
+def _text_config(cfg, label: str) -> dict:
+    """`cfg` itself, or its `text_config` (a multimodal model's language model) with the model_type it names."""
     if not isinstance(cfg, dict):
         raise UnknownModelError(f"{label}: a config.json holds a JSON object {{...}}, got {_describe_json(cfg)}")
     if "text_config" in cfg and "hidden_size" not in cfg:
@@ -241,6 +287,11 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
             raise UnknownModelError(f"{label}: config.json's text_config must be an object {{...}}, got "
                                     f"{_describe_json(cfg['text_config'])}")
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    return cfg
+
+
+def _supported_model_type(cfg: dict, label: str) -> str:
+    """config.json's model_type, when the analytic engine models it."""
     model_type = cfg.get("model_type")
     if not model_type:
         raise UnknownModelError(f"{label}: config.json has no 'model_type' key; is this a Hugging Face model config?")
@@ -253,8 +304,12 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
             f"(it knows {', '.join(SUPPORTED_MODEL_TYPES)}); use `--engine trace`, which runs the real "
             "transformers model on fake tensors."
         )
+    return model_type
+
+
+def _check_sizes(cfg: dict, model_type: str, is_moe: bool, label: str, source: str) -> None:
+    """Raise UnknownModelError when a key the architecture needs is missing or a size is unusable."""
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
-    is_moe = model_type in ("mixtral", "qwen3_moe", "qwen2_moe")
     if "intermediate_size" not in cfg and not is_moe:
         missing.append("intermediate_size")
     if missing:
@@ -266,24 +321,43 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
                                 + "\n".join(f"  - {p}" for p in problems)
                                 + "\nfix them in the file (transformers writes each size as a whole number)")
 
-    h = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(_get(cfg, "num_key_value_heads", default=heads))
-    head_dim = int(_get(cfg, "head_dim", default=h // heads))
-    layers = int(cfg["num_hidden_layers"])
-    gemma_like = model_type in ("gemma", "gemma2", "gemma3_text")
 
-    # Sliding-window attention: which layers use it.
+def _architecture_flags(cfg: dict, model_type: str) -> dict:
+    """The ModelSpec flags that tell an architecture's decoder layer from Llama's (transformers' modeling_*.py):
+    the one place, with `_sliding_window`, that reads model_type; everything downstream reads the flags."""
+    gemma_like = model_type in ("gemma", "gemma2", "gemma3_text")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    qwen2 = model_type in ("qwen2", "qwen2_moe")  # biased q/k/v, unbiased o_proj whatever attention_bias says
+    full_every = 0
+    if model_type == "gemma2":
+        full_every = 2
+    elif model_type == "gemma3_text":
+        full_every = int(_get(cfg, "sliding_window_pattern", default=6))
+    return dict(
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_like)),
+        qkv_bias=attention_bias or qwen2,
+        o_bias=attention_bias and not qwen2,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
+        fused_qkv=model_type == "phi3",
+        fused_gate_up=model_type == "phi3",
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma_like else None,
+        rms_norm_one_plus_weight=gemma_like,
+        full_attention_every_n_layers=full_every,
+    )
+
+
+def _sliding_window(cfg: dict, model_type: str, layers: int, full_every: int) -> tuple[int | None, int]:
+    """(the sliding window in tokens, how many layers use it); (None, 0) when none does."""
     window = cfg.get("sliding_window")
     sliding_layers = 0
     layer_types = cfg.get("layer_types")
     if layer_types:
         sliding_layers = sum(1 for t in layer_types if t == "sliding_attention")
-    elif window and model_type == "gemma2":
-        sliding_layers = (layers + 1) // 2  # even layers slide (transformers Gemma2: layer_idx % 2 == 0)
-    elif window and model_type == "gemma3_text":
-        pattern = int(_get(cfg, "sliding_window_pattern", default=6))
-        sliding_layers = sum(1 for i in range(layers) if (i + 1) % pattern != 0)
+    elif window and full_every:  # Gemma 2 / 3: every n-th layer is global, the others slide
+        sliding_layers = sum(1 for i in range(layers) if (i + 1) % full_every != 0)
     elif window and model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if cfg.get("use_sliding_window"):
             sliding_layers = max(0, layers - int(_get(cfg, "max_window_layers", default=layers)))
@@ -291,7 +365,11 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         sliding_layers = layers
     if not sliding_layers:
         window = None
+    return (int(window) if window else None), sliding_layers
 
+
+def _moe_shape(cfg: dict, is_moe: bool, layers: int) -> tuple[int, int, int]:
+    """(experts, the intermediate size of one expert, how many layers route to experts); zeros for a dense model."""
     num_experts = int(_get(cfg, "num_local_experts", "num_experts", default=0)) if is_moe else 0
     moe_layers = 0
     if num_experts:
@@ -299,37 +377,7 @@ def model_spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> Mo
         mlp_only = set(cfg.get("mlp_only_layers") or [])
         moe_layers = sum(1 for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
     moe_i = int(_get(cfg, "moe_intermediate_size", default=cfg.get("intermediate_size", 0))) if num_experts else 0
-
-    return ModelSpec(
-        name=name or cfg.get("_name_or_path", "") or "custom",
-        model_type=model_type,
-        hidden_size=h,
-        intermediate_size=int(_get(cfg, "intermediate_size", default=moe_i)),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=int(cfg["vocab_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_like)),
-        qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in ("qwen2", "qwen2_moe"),
-        o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
-        fused_qkv=model_type == "phi3",
-        fused_gate_up=model_type == "phi3",
-        sliding_window=int(window) if window else None,
-        sliding_window_layers=sliding_layers,
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
-        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma_like else None,
-        num_experts=num_experts,
-        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
-        moe_intermediate_size=moe_i,
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-        moe_layers=moe_layers,
-        source=source,
-        hf_config=dict(cfg),
-    )
+    return num_experts, moe_i, moe_layers
 
 
 # ---- the catalog --------------------------------------------------------------------------------------

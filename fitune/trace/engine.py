@@ -164,14 +164,61 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
     label = name if name == model_type else f"{name} (model_type {model_type!r})"  # for messages
     import torch
 
-    from fitune.runtime.layers import find_decoder_layers
-    from fitune.runtime.model import build_random_model, enable_checkpointing, wrap_lora
-    from fitune.runtime.optim import build_optimizer
+    import fitune.runtime.model  # noqa: F401 - transformers and PEFT load before the clock starts (elapsed_s)
 
     t0 = time.perf_counter()
-    ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
     micro_batches = min(setup.grad_accum, 2)  # micro-batches 2..N start from the same memory: two are exact
+    with _run_context(torch, fake):
+        torch.manual_seed(seed)
+        # the setup modelled from here on: PEFT's default LoRA targets may replace fitune's default
+        model, setup, trainable, opt, ids = _prepare_model(hf_config, setup, label, model_type, notes)
+        rec = _PhaseRecorder(model, trainable, ids, setup, micro_batches, fake)
+        _run_steps(model, opt, ids, steps, micro_batches, rec, label)
+        sizes = _state_sizes(model, trainable, opt, fake)
+    saved = _saved_activations(setup, rec, notes)
+    if setup.keep_outputs:
+        notes.append("keep_outputs: the model output (logits, KV cache) stays alive through the backward, then goes")
+    if micro_batches > 1:
+        notes.append(f"grad_accum {setup.grad_accum}: two micro-batches traced per step; the second starts with "
+                     "the accumulated gradients alive, as every later one does")
+    phases = rec.phases
+    peak_phase = max(phases, key=lambda k: phases[k][0])
+    peak_bytes, by_category = phases[peak_phase]
+    notes.append(
+        "tensor bytes only (fake CPU tensors): add the CUDA context, library workspaces (the H200 bench holds "
+        "64 MiB more allocated than the tensors from the first step on, cuBLAS workspaces most likely) and the "
+        "caching allocator's rounding, fragmentation and reserved-but-free memory"
+    )
+    notes.append(_OPTIMIZER_NOTES[setup.optimizer])
+    return TraceResult(
+        **sizes,
+        gradients_bytes=rec.grads_bytes,
+        saved_activations_bytes=saved,
+        forward_peak_bytes=phases["forward"][0],
+        backward_peak_bytes=phases["backward"][0],
+        optimizer_peak_bytes=phases["optimizer"][0],
+        peak_bytes=peak_bytes,
+        by_category=by_category,
+        notes=tuple(notes),
+        step_start_bytes=rec.start_bytes,
+        after_forward_bytes=rec.after_fwd_bytes,
+        saved_hooks_bytes=rec.saved_hooks_bytes,
+        peak_phase=peak_phase,
+        phase_peaks_by_category={k: v[1] for k, v in phases.items()},
+        elapsed_s=time.perf_counter() - t0,
+        model=name,
+        model_type=model_type,
+        setup=setup,
+        micro_batches_traced=micro_batches,
+    )
 
+
+# ------------------------------------------------------------------------------------- the run, step by step
+
+
+def _run_context(torch, fake: bool) -> contextlib.ExitStack:
+    """The caller's RNG state kept apart; with `fake`, FakeTensorMode and the two library workarounds (module
+    docstring)."""
     ctx = contextlib.ExitStack()
     ctx.enter_context(torch.random.fork_rng(devices=[]))  # leave the caller's RNG state alone
     if fake:
@@ -183,172 +230,174 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
         ctx.enter_context(mode)
         ctx.enter_context(_fake_swap_fix(mode))
         ctx.enter_context(_no_packed_sequence_detection())
+    return ctx
 
-    with ctx:
-        torch.manual_seed(seed)
-        model = _build(build_random_model, hf_config, setup, label, model_type)
-        layers = find_decoder_layers(model)
-        text_config = model.config.get_text_config()
-        setup.validate(num_layers=len(layers) if layers else getattr(text_config, "num_hidden_layers", None),
-                       hidden_size=getattr(text_config, "hidden_size", None))
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        setup = _peft_default_targets(model, setup, label, model_type, notes)  # the setup modelled from here on
-        model = _make_trainable(model, setup, layers, wrap_lora, label, model_type)
-        if ckpt_mode != "none":
-            enable_checkpointing(model)
-            if ckpt_mode == "selective":
-                _checkpoint_first_layers(layers, setup.selective_k(), label, model_type)
-        model.train()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if not trainable:
-            raise ConfigError(f"{label}: the setup trains no parameter (--method {setup.method}); nothing to trace")
-        # fitune's one optimizer factory, with foreach, PyTorch's default on CUDA (on CPU it would pick the loop)
-        opt = build_optimizer(setup.optimizer, trainable, lr=1e-4, foreach=True)
-        ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len_tokens))
 
-        param_storage_ids = _storage_keys(model.parameters(), fake)
-        tracker = make_tracker()
-        tracker.track(model.parameters(), "params")
-        tracker.track(model.buffers(), "buffers")
-        tracker.track([ids], "inputs")
-        # a gradient is a temporary of the backward until it is accumulated into .grad
-        handles = [
-            p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "grads")) for p in trainable
-        ]
+def _prepare_model(hf_config: dict, setup: TrainSetup, label: str, model_type: str, notes: list):
+    """The HF recipe applied to a freshly built model: (model, the setup modelled, its trainable parameters,
+    optimizer, input ids)."""
+    import torch
 
-        phases: dict[str, tuple[int, dict[str, int]]] = {}
-        saved_hooks_bytes = 0
-        start_bytes = before_fwd_bytes = after_fwd_bytes = 0
-        grads_bytes = 0
-        # the step is fitune's one training step; `hook` does the tracker's phase bookkeeping around its phases
-        st = {"last_step": False, "micro": 0, "fwds": [], "bwds": [], "optp": None}
-        kept_outputs: list = []  # keep_outputs: the output held through the backward (logits, KV cache)
+    from fitune.runtime.layers import find_decoder_layers
+    from fitune.runtime.model import build_random_model, enable_checkpointing, wrap_lora
+    from fitune.runtime.optim import build_optimizer
 
-        def _keep_output(module, args, output):
-            if setup.keep_outputs and st["in_forward"]:
-                kept_outputs.append(output)
-
-        st["in_forward"] = False
-        out_handle = model.register_forward_hook(_keep_output)
-
-        @contextlib.contextmanager
-        def hook(phase_name: str):
-            nonlocal saved_hooks_bytes, before_fwd_bytes, after_fwd_bytes, grads_bytes
-            if phase_name == "forward":
-                measure = st["last_step"] and st["micro"] == micro_batches - 1
-                before_fwd_bytes = tracker.total
-                tracker.start_phase("activations")
-                st["in_forward"] = True
-                try:
-                    if measure:
-                        seen: dict[Any, int] = {}
-                        keep: list = []
-                        with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, fake), _unpack):
-                            yield
-                        saved_hooks_bytes = sum(n for k, n in seen.items() if k not in param_storage_ids)
-                        seen.clear()
-                        keep.clear()  # holding them longer would keep them alive past the backward
-                    else:
-                        yield
-                finally:
-                    st["in_forward"] = False
-                st["fwds"].append(tracker.end_phase())
-                after_fwd_bytes = tracker.total
-            elif phase_name == "backward":
-                tracker.start_phase("temporaries")
-                yield
-                kept_outputs.clear()  # the output kept through the backward goes after it
-                st["bwds"].append(tracker.end_phase())
-                st["micro"] += 1
-            else:  # optimizer
-                if st["last_step"]:
-                    grads_bytes = _unique_bytes((p.grad for p in trainable if p.grad is not None), fake)
-                tracker.start_phase("temporaries")
-                yield
-                st["optp"] = tracker.end_phase()
-
-        from fitune.runtime.step import train_step
-
-        try:
-            with tracker:
-                for step in range(steps):
-                    st.update(last_step=step == steps - 1, micro=0, fwds=[], bwds=[], optp=None)
-                    start_bytes = tracker.total
-                    train_step(model, opt, [ids] * micro_batches, recipe=True, phase=hook)
-                    tracker.retag(_optimizer_tensors(opt), "optimizer")  # the state is still alive
-                    if st["last_step"]:
-                        phases = {"forward": max(st["fwds"], key=lambda x: x[0]),
-                                  "backward": max(st["bwds"], key=lambda x: x[0]), "optimizer": st["optp"]}
-        except FituneError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure of the model's own code on fake tensors
-            logger.debug("the trace of %s failed", label, exc_info=True)
-            raise TraceModelError(
-                f"the trace of {label} failed while running the training step: "
-                f"{type(exc).__name__}: {_first_line(exc)}. Some models use data-dependent operations that fake "
-                "tensors cannot run; use the analytic engine if it models this architecture"
-            ) from exc
-        for h in handles:
-            h.remove()
-        out_handle.remove()
-
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        weights_bytes = _unique_bytes(list(frozen) + list(model.buffers()), fake)
-        adapter_bytes = _unique_bytes(trainable, fake)
-        opt_bytes = _unique_bytes(_optimizer_tensors(opt), fake)
-        trainable_params = sum(p.numel() for p in trainable)
-        frozen_params = sum(p.numel() for p in _unique_tensors(frozen, fake))
-
+    ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
+    model = _build(build_random_model, hf_config, setup, label, model_type)
+    layers = find_decoder_layers(model)
+    text_config = model.config.get_text_config()
+    setup.validate(num_layers=len(layers) if layers else getattr(text_config, "num_hidden_layers", None),
+                   hidden_size=getattr(text_config, "hidden_size", None))
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    setup = _peft_default_targets(model, setup, label, model_type, notes)  # the setup modelled from here on
+    model = _make_trainable(model, setup, layers, wrap_lora, label, model_type)
     if ckpt_mode != "none":
-        saved = after_fwd_bytes - before_fwd_bytes
+        enable_checkpointing(model)
+        if ckpt_mode == "selective":
+            _checkpoint_first_layers(layers, setup.selective_k(), label, model_type)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigError(f"{label}: the setup trains no parameter (--method {setup.method}); nothing to trace")
+    # fitune's one optimizer factory, with foreach, PyTorch's default on CUDA (on CPU it would pick the loop)
+    opt = build_optimizer(setup.optimizer, trainable, lr=1e-4, foreach=True)
+    ids = torch.randint(0, vocab, (setup.batch_size, setup.seq_len_tokens))
+    return model, setup, trainable, opt, ids
+
+
+class _PhaseRecorder:
+    """The tracker's bookkeeping around the phases of fitune's one training step (`phase` is its `phase=` hook):
+    each phase's peak, the saved tensors of the last forward, the live bytes around it, the gradients' bytes."""
+
+    def __init__(self, model, trainable: list, ids, setup: TrainSetup, micro_batches: int, fake: bool):
+        self.setup, self.micro_batches, self.fake, self.trainable = setup, micro_batches, fake, trainable
+        self.param_storage_ids = _storage_keys(model.parameters(), fake)
+        self.tracker = make_tracker()
+        self.tracker.track(model.parameters(), "params")
+        self.tracker.track(model.buffers(), "buffers")
+        self.tracker.track([ids], "inputs")
+        self.phases: dict[str, tuple[int, dict[str, int]]] = {}
+        self.saved_hooks_bytes = 0
+        self.start_bytes = self.before_fwd_bytes = self.after_fwd_bytes = 0
+        self.grads_bytes = 0
+        self.last_step, self.micro, self.fwds, self.bwds, self.optp = False, 0, [], [], None
+        self.in_forward = False
+        self.kept_outputs: list = []  # keep_outputs: the output held through the backward (logits, KV cache)
+
+    def start_step(self, last_step: bool) -> None:
+        self.last_step, self.micro, self.fwds, self.bwds, self.optp = last_step, 0, [], [], None
+        self.start_bytes = self.tracker.total
+
+    def end_step(self, opt) -> None:
+        self.tracker.retag(_optimizer_tensors(opt), "optimizer")  # the state is still alive
+        if self.last_step:
+            self.phases = {"forward": max(self.fwds, key=lambda x: x[0]),
+                           "backward": max(self.bwds, key=lambda x: x[0]), "optimizer": self.optp}
+
+    def keep_output(self, module, args, output) -> None:
+        """A forward hook on the model: keep_outputs holds its output through the backward."""
+        if self.setup.keep_outputs and self.in_forward:
+            self.kept_outputs.append(output)
+
+    @contextlib.contextmanager
+    def phase(self, phase_name: str):
+        if phase_name == "forward":
+            with self._forward():
+                yield
+        elif phase_name == "backward":
+            self.tracker.start_phase("temporaries")
+            yield
+            self.kept_outputs.clear()  # the output kept through the backward goes after it
+            self.bwds.append(self.tracker.end_phase())
+            self.micro += 1
+        else:  # optimizer
+            if self.last_step:
+                self.grads_bytes = _unique_bytes((p.grad for p in self.trainable if p.grad is not None), self.fake)
+            self.tracker.start_phase("temporaries")
+            yield
+            self.optp = self.tracker.end_phase()
+
+    @contextlib.contextmanager
+    def _forward(self):
+        """A forward; the last step's last one also counts the unique storages autograd saves (hooks)."""
+        import torch
+
+        measure = self.last_step and self.micro == self.micro_batches - 1
+        self.before_fwd_bytes = self.tracker.total
+        self.tracker.start_phase("activations")
+        self.in_forward = True
+        try:
+            if measure:
+                seen: dict[Any, int] = {}
+                keep: list = []
+                with torch.autograd.graph.saved_tensors_hooks(_make_pack(seen, keep, self.fake), _unpack):
+                    yield
+                self.saved_hooks_bytes = sum(n for k, n in seen.items() if k not in self.param_storage_ids)
+                seen.clear()
+                keep.clear()  # holding them longer would keep them alive past the backward
+            else:
+                yield
+        finally:
+            self.in_forward = False
+        self.fwds.append(self.tracker.end_phase())
+        self.after_fwd_bytes = self.tracker.total
+
+
+def _run_steps(model, opt, ids, steps: int, micro_batches: int, rec: _PhaseRecorder, label: str) -> None:
+    """`steps` of fitune's one training step, recorded by `rec`; a failure of the model's own code becomes a
+    `TraceModelError`."""
+    from fitune.runtime.step import train_step
+
+    # a gradient is a temporary of the backward until it is accumulated into .grad
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda p: rec.tracker.retag([p.grad], "grads")) for p in rec.trainable
+    ]
+    out_handle = model.register_forward_hook(rec.keep_output)
+    try:
+        with rec.tracker:
+            for step in range(steps):
+                rec.start_step(last_step=step == steps - 1)
+                train_step(model, opt, [ids] * micro_batches, recipe=True, phase=rec.phase)
+                rec.end_step(opt)
+    except FituneError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's own code on fake tensors
+        logger.debug("the trace of %s failed", label, exc_info=True)
+        raise TraceModelError(
+            f"the trace of {label} failed while running the training step: "
+            f"{type(exc).__name__}: {_first_line(exc)}. Some models use data-dependent operations that fake "
+            "tensors cannot run; use the analytic engine if it models this architecture"
+        ) from exc
+    for h in handles:
+        h.remove()
+    out_handle.remove()
+
+
+def _state_sizes(model, trainable: list, opt, fake: bool) -> dict[str, int]:
+    """The `TraceResult` fields read off the model and the optimizer after the last step."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return dict(
+        weights_bytes=_unique_bytes(list(frozen) + list(model.buffers()), fake),
+        adapter_weights_bytes=_unique_bytes(trainable, fake),
+        optimizer_states_bytes=_unique_bytes(_optimizer_tensors(opt), fake),
+        trainable_params=sum(p.numel() for p in trainable),
+        frozen_params=sum(p.numel() for p in _unique_tensors(frozen, fake)),
+    )
+
+
+def _saved_activations(setup: TrainSetup, rec: _PhaseRecorder, notes: list) -> int:
+    """What autograd keeps from the last forward (module docstring): the saved-tensor hooks' count, or, under
+    checkpointing (whose own hooks hide what the layers save), the live bytes after the forward less before it."""
+    diff = rec.after_fwd_bytes - rec.before_fwd_bytes
+    if setup.checkpointed_layers_mode != "none":
         notes.append(
             f"checkpointed ({setup.grad_checkpointing}): saved_activations_bytes = live bytes after the forward - "
-            f"live bytes before it (an outer saved_tensors_hooks sees only {saved_hooks_bytes} bytes outside the "
+            f"live bytes before it (an outer saved_tensors_hooks sees only {rec.saved_hooks_bytes} bytes outside the "
             "checkpointed layers)"
         )
-    else:
-        saved = saved_hooks_bytes
-        diff = after_fwd_bytes - before_fwd_bytes
-        notes.append(f"live bytes after the forward - before it: {diff} (saved tensors + loss)")
-    if setup.keep_outputs:
-        notes.append("keep_outputs: the model output (logits, KV cache) stays alive through the backward, then goes")
-    if micro_batches > 1:
-        notes.append(f"grad_accum {setup.grad_accum}: two micro-batches traced per step; the second starts with "
-                     "the accumulated gradients alive, as every later one does")
-
-    peak_phase = max(phases, key=lambda k: phases[k][0])
-    peak_bytes, by_category = phases[peak_phase]
-    notes.append(
-        "tensor bytes only (fake CPU tensors): add the CUDA context, library workspaces (the H200 bench holds "
-        "64 MiB more allocated than the tensors from the first step on, cuBLAS workspaces most likely) and the "
-        "caching allocator's rounding, fragmentation and reserved-but-free memory"
-    )
-    notes.append(_OPTIMIZER_NOTES[setup.optimizer])
-    return TraceResult(
-        weights_bytes=weights_bytes,
-        adapter_weights_bytes=adapter_bytes,
-        gradients_bytes=grads_bytes,
-        optimizer_states_bytes=opt_bytes,
-        saved_activations_bytes=saved,
-        forward_peak_bytes=phases["forward"][0],
-        backward_peak_bytes=phases["backward"][0],
-        optimizer_peak_bytes=phases["optimizer"][0],
-        peak_bytes=peak_bytes,
-        by_category=by_category,
-        notes=tuple(notes),
-        step_start_bytes=start_bytes,
-        after_forward_bytes=after_fwd_bytes,
-        saved_hooks_bytes=saved_hooks_bytes,
-        trainable_params=trainable_params,
-        frozen_params=frozen_params,
-        peak_phase=peak_phase,
-        phase_peaks_by_category={k: v[1] for k, v in phases.items()},
-        elapsed_s=time.perf_counter() - t0,
-        model=name,
-        model_type=model_type,
-        setup=setup,
-        micro_batches_traced=micro_batches,
-    )
+        return diff
+    notes.append(f"live bytes after the forward - before it: {diff} (saved tensors + loss)")
+    return rec.saved_hooks_bytes
 
 
 # ------------------------------------------------------------------------------------- the setup, applied

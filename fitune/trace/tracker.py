@@ -25,84 +25,17 @@ from typing import Any
 
 
 def make_tracker():
-    """Build a `LiveBytesTracker` (imports torch)."""
+    """Build a `LiveBytesTracker` (imports torch): `StorageLedger`'s bookkeeping, fed by a `TorchDispatchMode`."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
     from torch.utils.weak import WeakIdKeyDictionary
 
-    class LiveBytesTracker(TorchDispatchMode):
+    class LiveBytesTracker(StorageLedger, TorchDispatchMode):
         def __init__(self) -> None:
-            super().__init__()
-            self._infos = WeakIdKeyDictionary()  # UntypedStorage -> [nbytes, category, weakref]
-            self.by_category: dict[str, int] = {}
-            self.total = 0
-            self.category = "activations"  # category of storages created from now on
-            self.phase_peak = 0
-            self.phase_peak_by_category: dict[str, int] = {}
+            TorchDispatchMode.__init__(self)
+            StorageLedger.__init__(self, WeakIdKeyDictionary())
 
-        # ---- bookkeeping
-        def _add(self, st, category: str) -> None:
-            n = st.nbytes()
-            info: list[Any] = [n, category, None]
-            info[2] = weakref.ref(st, lambda _ref, info=info: self._free(info))
-            self._infos[st] = info
-            self.total += n
-            self.by_category[category] = self.by_category.get(category, 0) + n
-
-        def _free(self, info) -> None:
-            n, category = info[0], info[1]
-            self.total -= n
-            self.by_category[category] -= n
-
-        def _see(self, t, category: str, retag: bool) -> None:
-            try:
-                st = t.untyped_storage()
-            except Exception:  # noqa: BLE001 - sparse / exotic tensors: no storage to follow
-                return
-            info = self._infos.get(st)
-            if info is None:
-                self._add(st, category)
-                return
-            n = st.nbytes()
-            if n != info[0]:  # resized in place (resize_, out= variants)
-                delta = n - info[0]
-                info[0] = n
-                self.total += delta
-                self.by_category[info[1]] += delta
-            if retag and info[1] != category:
-                self.by_category[info[1]] -= n
-                self.by_category[category] = self.by_category.get(category, 0) + n
-                info[1] = category
-
-        def track(self, tensors, category: str) -> None:
-            """Register tensors that exist already (weights, optimizer state, inputs) under `category`."""
-            for t in tensors:
-                self._see(t, category, retag=False)
-
-        def retag(self, tensors, category: str) -> None:
-            """Move the storages of `tensors` (registering them if new) to `category`."""
-            for t in tensors:
-                if t is not None:
-                    self._see(t, category, retag=True)
-
-        def category_of(self, t) -> str | None:
-            info = self._infos.get(t.untyped_storage())
-            return None if info is None else info[1]
-
-        # ---- phases
-        def start_phase(self, category: str) -> None:
-            self.category = category
-            self.phase_peak = self.total
-            self.phase_peak_by_category = self.snapshot()
-
-        def end_phase(self) -> tuple[int, dict[str, int]]:
-            return self.phase_peak, dict(self.phase_peak_by_category)
-
-        def snapshot(self) -> dict[str, int]:
-            return {k: v for k, v in self.by_category.items() if v}
-
-        # ---- the mode
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             category = self.category
@@ -118,3 +51,77 @@ def make_tracker():
             return out
 
     return LiveBytesTracker()
+
+
+class StorageLedger:
+    """The live bytes of every storage seen, by category, and the peak of the current phase (no torch import:
+    `make_tracker` feeds it from a `TorchDispatchMode`)."""
+
+    def __init__(self, infos) -> None:
+        self._infos = infos  # a WeakIdKeyDictionary: UntypedStorage -> [nbytes, category, weakref]
+        self.by_category: dict[str, int] = {}
+        self.total = 0
+        self.category = "activations"  # category of storages created from now on
+        self.phase_peak = 0
+        self.phase_peak_by_category: dict[str, int] = {}
+
+    # ---- bookkeeping
+    def _add(self, st, category: str) -> None:
+        n = st.nbytes()
+        info: list[Any] = [n, category, None]
+        info[2] = weakref.ref(st, lambda _ref, info=info: self._free(info))
+        self._infos[st] = info
+        self.total += n
+        self.by_category[category] = self.by_category.get(category, 0) + n
+
+    def _free(self, info) -> None:
+        n, category = info[0], info[1]
+        self.total -= n
+        self.by_category[category] -= n
+
+    def _see(self, t, category: str, retag: bool) -> None:
+        try:
+            st = t.untyped_storage()
+        except Exception:  # noqa: BLE001 - sparse / exotic tensors: no storage to follow
+            return
+        info = self._infos.get(st)
+        if info is None:
+            self._add(st, category)
+            return
+        n = st.nbytes()
+        if n != info[0]:  # resized in place (resize_, out= variants)
+            delta = n - info[0]
+            info[0] = n
+            self.total += delta
+            self.by_category[info[1]] += delta
+        if retag and info[1] != category:
+            self.by_category[info[1]] -= n
+            self.by_category[category] = self.by_category.get(category, 0) + n
+            info[1] = category
+
+    def track(self, tensors, category: str) -> None:
+        """Register tensors that exist already (weights, optimizer state, inputs) under `category`."""
+        for t in tensors:
+            self._see(t, category, retag=False)
+
+    def retag(self, tensors, category: str) -> None:
+        """Move the storages of `tensors` (registering them if new) to `category`."""
+        for t in tensors:
+            if t is not None:
+                self._see(t, category, retag=True)
+
+    def category_of(self, t) -> str | None:
+        info = self._infos.get(t.untyped_storage())
+        return None if info is None else info[1]
+
+    # ---- phases
+    def start_phase(self, category: str) -> None:
+        self.category = category
+        self.phase_peak = self.total
+        self.phase_peak_by_category = self.snapshot()
+
+    def end_phase(self) -> tuple[int, dict[str, int]]:
+        return self.phase_peak, dict(self.phase_peak_by_category)
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: v for k, v in self.by_category.items() if v}

@@ -11,6 +11,8 @@
     on Ctrl-C: write a checkpoint of the last finished step, exit cleanly (_GracefulStop: twice waits, thrice aborts)
 
 The run holds its output_dir (outdir.py: lock, run identity, no write through a link) from start to end.
+On several GPUs each torchrun rank runs this same loop; where ranks differ is behind the named hooks of
+_parallel_steps.py (`RankHooks`), each a no-op on one GPU.
 
 Dividing the summed token losses by the step's trained-token count (`num_items_in_batch`) makes the gradient
 independent of how the step's data is split into micro-batches: the OOM guard's re-plan changes memory, not
@@ -137,97 +139,25 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     import torch
 
     from .. import data as data_mod
-    from ..runtime.device import configure_allocator, limit_allocator, pick_device
-    from ..runtime.model import build_model_for_setup, load_tokenizer, prepare_model, set_checkpointing
+    from ..runtime.model import load_tokenizer
     from ..runtime.optim import build_optimizer
-    from ..parallel import data as parallel_data, ranks, wrap as parallel_wrap
+    from ._parallel_steps import RankHooks
 
-    configure_allocator(cfg.setup)  # before CUDA starts
-    device = ranks.current().device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
-    if cfg.cap and device == "cuda":
-        from ..specs.gpu import resolve_gpu
-
-        limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
+    par = RankHooks()  # [parallel] where torchrun's ranks meet; on one GPU each hook is a no-op
+    device = _start_device(cfg, par)
     _seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
     s = cfg.setup
-
-    # ---- data: tokenised once, batched deterministically -------------------------------------------------
-    rows = parallel_data.global_batch_rows(s.batch_size)  # [parallel] the global batch: batch_size on each GPU
-    if cfg.data.streaming:  # records read as the steps need them; max_steps counts the run (the config requires it)
-        from ..data.stream import StreamingBatches
-
-        stream = StreamingBatches(cfg.data.path, cfg.data.split, cfg.data.subset, tokenizer, cfg.data.format,
-                                  s.seq_len_tokens, rows, data_mod.pad_id(tokenizer), packed=cfg.packing)
-        log.info("data: format %s; streaming %s (records read as training needs them, in source order)",
-                 stream.format, cfg.data.path)
-    else:
-        records = data_mod.read_records(cfg.data.path, cfg.data.split, cfg.data.subset)
-        examples, stats = data_mod.tokenize_records(records, tokenizer, cfg.data.format, s.seq_len_tokens)
-        items = data_mod.pack(examples, s.seq_len_tokens) if cfg.packing else examples
-        log.info("data: format %s; %s", stats.format, stats.summary())
-        if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
-            log.warning("fitune train: %s", stats.dropped_message())
-        stream = data_mod.BatchStream(items, rows, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
-    eval_items = None
-    if cfg.data.eval_path:
-        ev, ev_stats = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer,
-                                                 cfg.data.format, s.seq_len_tokens)
-        if ev_stats.dropped_records:
-            log.warning("fitune train: eval data: %s", ev_stats.dropped_message())
-        eval_items = data_mod.pack(ev, s.seq_len_tokens) if cfg.packing else ev
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / rows) / s.grad_accum))
-
-    # ---- model, optimizer, schedule ------------------------------------------------------------------------
-    from ..parallel.deepspeed_engine import construction_context
-
-    with construction_context(s, cfg):  # [parallel] ZeRO-3: each parameter partitioned as it is created (zero.Init)
-        model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
-    model.config.use_cache = False  # training: no KV cache
-    model = prepare_model(model, s)  # LoRA / freeze, fitune's techniques, checkpointing
-    if cfg.packing and cfg.packing_attention == "varlen":
-        from ..runtime.techniques.varlen_attention import enable_varlen_attention
-
-        if enable_varlen_attention(model):
-            log.info("packing: examples attended one by one inside each row (no mask tensor)")
-        elif s.attn == "flash":  # one row per micro-batch (TrainConfig.validate): its position ids give the bounds
-            log.info("packing: flash-attention 2 attends each example on its own (varlen, from the position ids)")
-        else:
-            log.info("packing: this model keeps transformers' block-diagonal mask (sliding window or attention %s)",
-                     s.attn)
-    vocab = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > vocab:
-        raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "
-                          f"has {vocab} rows; use the model's own tokenizer")
-    engine = parallel_wrap.wrap(model, s, ranks.current())  # [parallel] DDP / FSDP2 / ZeRO around model and loss
+    stream, eval_items, total_steps = _load_data(cfg, tokenizer, par.global_batch_rows(s.batch_size))
+    model, engine = _load_model(cfg, tokenizer, device, par)
     trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the shards
     optimizer = build_optimizer(s.optimizer, trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _scheduler(cfg, optimizer, total_steps)
-    optimizer = parallel_wrap.attach_optimizer(engine, optimizer, s, cfg)  # [parallel] ZeRO: DeepSpeed steps it
+    optimizer = par.attach_optimizer(engine, optimizer, s, cfg)  # [parallel] ZeRO: DeepSpeed steps it
     scaler = torch.amp.GradScaler("cuda") if s.dtype == "fp16" and device == "cuda" else None
     plan = Plan(micro_batch_size=s.batch_size, grad_checkpointing=s.grad_checkpointing != "none")
-    step = 0
-    if resume_from:
-        path = resume_from
-        state = checkpoint.load(path, model, optimizer, scheduler)
-        _apply_hyperparameters(cfg, optimizer, scheduler)  # a changed lr / weight_decay takes effect now
-        step = state["step"]
-        stream.load_state_dict(state["data"])
-        for change in state.get("plan_changes", []):  # keep the re-plans that made the run fit
-            plan.micro_batch_size = change["micro_batch_size"]
-            if change["grad_checkpointing"] and not plan.grad_checkpointing:
-                set_checkpointing(model, True)
-            plan.grad_checkpointing = change["grad_checkpointing"]
-            plan.changes.append(change)
-        log.info("resumed from %s at step %d", path, step)
-
-    metrics = folder.open_metrics(through_step=step)  # drops lines of steps after the checkpoint: trained again
-    from .loggers import make_loggers
-
-    loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
-                           cfg.to_dict()) if ranks.is_main() else []  # TensorBoard / W&B: metrics.jsonl's scalars
-    progress = progress and ranks.is_main()  # [parallel] rank 0 alone logs
-    bar = progress_bar(total_steps, step, progress, device, cfg.cap)  # loss, eval loss, peak memory / budget
+    step = _resume(cfg, resume_from, model, optimizer, scheduler, stream, plan) if resume_from else 0
+    report = _Report(cfg, folder, step, total_steps, progress and par.is_main, device, par.is_main)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
     stream_before_step = stream.state_dict()
@@ -245,58 +175,198 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             scheduler.step()
             step += 1
             stream_before_step = stream.state_dict()  # this step is done: its data is consumed
-            dt = time.perf_counter() - t0
-            tokens = sum(b.tokens for b in batches)
+            step_time_s = time.perf_counter() - t0
             losses.append(loss)
-            line = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": tokens,
-                    "trained_tokens": sum(b.trained_tokens for b in batches), "tokens_per_s": tokens / dt,
-                    "step_time_s": dt, "micro_batch_size": plan.micro_batch_size,
-                    "grad_checkpointing": plan.grad_checkpointing,
-                    "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-                    "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None}
-            if scaler is not None:
-                line["loss_scale"] = scaler.get_scale()
-            metrics.write(json.dumps(line) + "\n")
-            metrics.flush()
-            for logger in loggers:
-                logger.log(step, line)
-            bar.update(line)
+            report.step(step, _step_line(step, loss, scheduler, batches, step_time_s, plan, device, scaler))
             if eval_items is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
                 eval_losses[step] = _evaluate(engine.step_model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
-                bar.set_eval_loss(eval_losses[step])
-                metrics.write(json.dumps({"step": step, "eval_loss": eval_losses[step]}) + "\n")
-                metrics.flush()
-                for logger in loggers:
-                    logger.log(step, {"eval_loss": eval_losses[step]})
+                report.eval_loss(step, eval_losses[step])
             if _checkpoint_due(cfg, step, total_steps, time.monotonic() - last_save_s):
                 _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
                 last_save_s = time.monotonic()
-            if ranks.any_rank(stop.requested):  # [parallel] every rank stops after the same step
+            if par.stop_together(stop.requested):  # [parallel] every rank stops after the same step
                 raise KeyboardInterrupt
         # written while Ctrl-C is still handled: a press now lets them finish, a third aborts (checkpoint kept)
         adapter_dir, merged_dir = _write_outputs(cfg, folder, model, tokenizer)
     except KeyboardInterrupt:
-        bar.close()
-        metrics.close()
+        report.bar.close()
+        report.metrics.close()
         if step and not stop.aborted:  # after a third Ctrl-C the state may be half-updated: nothing more is written
             stream.load_state_dict(stream_before_step)  # the unfinished step's batches are not consumed
             try:
                 _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
             except KeyboardInterrupt:  # the third Ctrl-C, during this write: its .tmp folder is never resumed
                 pass
-        path = stop.last_checkpoint
-        how = "aborted" if stop.aborted else "interrupted"
-        print(f"\n{how} at step {step}: "
-              + (f"the last complete checkpoint is {path}; continue with --resume" if path else "no checkpoint yet"),
-              file=sys.stderr)
-        raise TrainingInterrupted(f"{how} at step {step}" + (f"; resume from {path}" if path else "")) from None
+        raise _interrupted(step, stop) from None
     finally:
-        metrics.close()
-        for logger in loggers:
-            logger.close()
-    bar.close()
-    metrics.close()
+        report.close()
+    report.bar.close()
+    report.metrics.close()
     return TrainResult(step, losses, eval_losses, cfg.output_dir, adapter_dir, merged_dir, plan, model=model)
+
+
+# ---- before the first step ---------------------------------------------------------------------------------
+
+
+def _start_device(cfg: TrainConfig, par) -> str:
+    """The device this process trains on, its allocator configured (and capped to `cfg.cap`'s budget)."""
+    from ..runtime.device import configure_allocator, limit_allocator, pick_device
+
+    configure_allocator(cfg.setup)  # before CUDA starts
+    device = par.device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
+    if cfg.cap and device == "cuda":
+        from ..specs.gpu import resolve_gpu
+
+        limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
+    return device
+
+
+def _load_data(cfg: TrainConfig, tokenizer, rows: int) -> tuple:
+    """(the batch stream of `rows` rows per batch, the eval examples or None, the run's optimizer steps): the data
+    tokenised once and batched deterministically, or streamed."""
+    from .. import data as data_mod
+
+    s = cfg.setup
+    if cfg.data.streaming:  # records read as the steps need them; max_steps counts the run (the config requires it)
+        from ..data.stream import StreamingBatches
+
+        stream = StreamingBatches(cfg.data.path, cfg.data.split, cfg.data.subset, tokenizer, cfg.data.format,
+                                  s.seq_len_tokens, rows, data_mod.pad_id(tokenizer), packed=cfg.packing)
+        log.info("data: format %s; streaming %s (records read as training needs them, in source order)",
+                 stream.format, cfg.data.path)
+        items = None
+    else:
+        records = data_mod.read_records(cfg.data.path, cfg.data.split, cfg.data.subset)
+        examples, stats = data_mod.tokenize_records(records, tokenizer, cfg.data.format, s.seq_len_tokens)
+        items = data_mod.pack(examples, s.seq_len_tokens) if cfg.packing else examples
+        log.info("data: format %s; %s", stats.format, stats.summary())
+        if stats.dropped_records:  # records with no token to train on: say which, never drop them silently
+            log.warning("fitune train: %s", stats.dropped_message())
+        stream = data_mod.BatchStream(items, rows, cfg.seed, data_mod.pad_id(tokenizer), packed=cfg.packing)
+    eval_items = None
+    if cfg.data.eval_path:
+        ev, ev_stats = data_mod.tokenize_records(data_mod.read_records(cfg.data.eval_path), tokenizer,
+                                                 cfg.data.format, s.seq_len_tokens)
+        if ev_stats.dropped_records:
+            log.warning("fitune train: eval data: %s", ev_stats.dropped_message())
+        eval_items = data_mod.pack(ev, s.seq_len_tokens) if cfg.packing else ev
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * math.ceil(len(items) / rows) / s.grad_accum))
+    return stream, eval_items, total_steps
+
+
+def _load_model(cfg: TrainConfig, tokenizer, device: str, par) -> tuple:
+    """(the model prepared for the setup: LoRA / freeze, fitune's techniques, checkpointing; the engine the step
+    runs: `par.wrap`'s DDP / FSDP2 / ZeRO around it, or the model itself)."""
+    from ..runtime.model import build_model_for_setup, prepare_model
+
+    s = cfg.setup
+    with par.building_model(s, cfg):  # [parallel] ZeRO-3: each parameter partitioned as it is created (zero.Init)
+        model = build_model_for_setup(cfg.model, s, device, init=cfg.init, trust_remote_code=cfg.trust_remote_code)
+    model.config.use_cache = False  # training: no KV cache
+    model = prepare_model(model, s)  # LoRA / freeze, fitune's techniques, checkpointing
+    if cfg.packing and cfg.packing_attention == "varlen":
+        _packed_attention(model, s.attn)
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise FituneError(f"tokenizer {cfg.tokenizer or cfg.model} has {len(tokenizer)} tokens but the model's embedding "
+                          f"has {vocab} rows; use the model's own tokenizer")
+    return model, par.wrap(model, s)  # [parallel] DDP / FSDP2 / ZeRO around model and loss
+
+
+def _packed_attention(model, attn: str) -> None:
+    """packing_attention varlen: each packed example attends only to itself, as cheaply as the model allows."""
+    from ..runtime.techniques.varlen_attention import enable_varlen_attention
+
+    if enable_varlen_attention(model):
+        log.info("packing: examples attended one by one inside each row (no mask tensor)")
+    elif attn == "flash":  # one row per micro-batch (TrainConfig.validate): its position ids give the bounds
+        log.info("packing: flash-attention 2 attends each example on its own (varlen, from the position ids)")
+    else:
+        log.info("packing: this model keeps transformers' block-diagonal mask (sliding window or attention %s)",
+                 attn)
+
+
+def _resume(cfg: TrainConfig, path: str, model, optimizer, scheduler, stream, plan: Plan) -> int:
+    """The checkpoint `path` loaded into model, optimizer, schedule, data stream and plan; returns its step."""
+    from ..runtime.model import set_checkpointing
+
+    state = checkpoint.load(path, model, optimizer, scheduler)
+    _apply_hyperparameters(cfg, optimizer, scheduler)  # a changed lr / weight_decay takes effect now
+    step = state["step"]
+    stream.load_state_dict(state["data"])
+    for change in state.get("plan_changes", []):  # keep the re-plans that made the run fit
+        plan.micro_batch_size = change["micro_batch_size"]
+        if change["grad_checkpointing"] and not plan.grad_checkpointing:
+            set_checkpointing(model, True)
+        plan.grad_checkpointing = change["grad_checkpointing"]
+        plan.changes.append(change)
+    log.info("resumed from %s at step %d", path, step)
+    return step
+
+
+# ---- after each step -----------------------------------------------------------------------------------------
+
+
+class _Report:
+    """Where each step's numbers go: metrics.jsonl, TensorBoard / W&B (metrics.jsonl's scalars), the progress bar
+    (loss, eval loss, peak memory / budget)."""
+
+    def __init__(self, cfg: TrainConfig, folder, step: int, total_steps: int, progress: bool, device: str,
+                 is_main: bool):
+        from .loggers import make_loggers
+
+        # drops the lines of steps after the checkpoint: they are trained again
+        self.metrics = folder.open_metrics(through_step=step)
+        self.loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
+                                    cfg.to_dict()) if is_main else []  # [parallel] rank 0 alone logs
+        self.bar = progress_bar(total_steps, step, progress, device, cfg.cap)
+
+    def step(self, step: int, line: dict) -> None:
+        self.metrics.write(json.dumps(line) + "\n")
+        self.metrics.flush()
+        for logger in self.loggers:
+            logger.log(step, line)
+        self.bar.update(line)
+
+    def eval_loss(self, step: int, loss: float) -> None:
+        self.bar.set_eval_loss(loss)
+        self.metrics.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        self.metrics.flush()
+        for logger in self.loggers:
+            logger.log(step, {"eval_loss": loss})
+
+    def close(self) -> None:
+        """metrics.jsonl and the loggers (the bar is closed by the loop: before a Ctrl-C's message, or at the end)."""
+        self.metrics.close()
+        for logger in self.loggers:
+            logger.close()
+
+
+def _step_line(step: int, loss: float, scheduler, batches: list, step_time_s: float, plan: Plan, device: str,
+               scaler) -> dict:
+    """The step's line of metrics.jsonl."""
+    import torch
+
+    tokens = sum(b.tokens for b in batches)
+    line = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "tokens": tokens,
+            "trained_tokens": sum(b.trained_tokens for b in batches), "tokens_per_s": tokens / step_time_s,
+            "step_time_s": step_time_s, "micro_batch_size": plan.micro_batch_size,
+            "grad_checkpointing": plan.grad_checkpointing,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None}
+    if scaler is not None:
+        line["loss_scale"] = scaler.get_scale()
+    return line
+
+
+def _interrupted(step: int, stop: "_GracefulStop") -> TrainingInterrupted:
+    """Said on stderr, and the exception `train` ends with after a Ctrl-C (exit 130)."""
+    path = stop.last_checkpoint
+    how = "aborted" if stop.aborted else "interrupted"
+    print(f"\n{how} at step {step}: "
+          + (f"the last complete checkpoint is {path}; continue with --resume" if path else "no checkpoint yet"),
+          file=sys.stderr)
+    return TrainingInterrupted(f"{how} at step {step}" + (f"; resume from {path}" if path else ""))
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------

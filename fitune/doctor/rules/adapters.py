@@ -6,7 +6,7 @@ from typing import Iterator
 
 from .. import evidence
 from ..findings import INFO, WARNING
-from ..evidence import REFERENCE_MODEL
+from ..evidence import LARGE_RANK, REFERENCE_MODEL, USUAL_RANK
 from ..index import ScriptIndex
 from ...errors import FituneError
 from ...units import gib
@@ -95,12 +95,7 @@ def _adamw_sites(ix: ScriptIndex) -> Iterator[tuple[int, str]]:
             yield args.line, f'`{call_text(args)}` with optim="{optim}"'
 
 
-LARGE_RANK = 128
-"""A LoRA rank from here up is flagged: recipes use 8-64, and the adapter's bytes grow linearly with r."""
-USUAL_RANK = 16
-
-
-@rule("lora-rank-large", WARNING, f"a very large LoRA rank (r >= {LARGE_RANK})")
+@rule("lora-rank-large", WARNING, f"a very large LoRA rank (r > {LARGE_RANK})")
 def lora_rank_large(ix: ScriptIndex) -> Iterator[Hit]:
     """r in the hundreds: every adapter weight trains with its fp32 gradient and two AdamW states (16 bytes per
     parameter), and the adapter inputs' products grow with r."""
@@ -108,7 +103,7 @@ def lora_rank_large(ix: ScriptIndex) -> Iterator[Hit]:
                                             and c.receiver.endswith("FastLanguageModel")]
     for c in sites:
         r = ix.value(c.kw("r"))
-        if not isinstance(r, int) or isinstance(r, bool) or r < LARGE_RANK:
+        if not isinstance(r, int) or isinstance(r, bool) or r <= LARGE_RANK:
             continue
         ss = ix.script_setup
         model = ss.model
@@ -122,8 +117,8 @@ def lora_rank_large(ix: ScriptIndex) -> Iterator[Hit]:
                   f"`{call_text(c)}` asks for r={r}: {big[0] / 1e6:,.0f}M trainable parameters on "
                   f"{model}{where}, each with an fp32 weight, an fp32 gradient and two AdamW states - "
                   f"{gib(big[1])} before any activation, against {gib(small[1])} at r={USUAL_RANK}.",
-                  f"r={USUAL_RANK} to 64 is what most LoRA recipes use (scale lora_alpha with it to keep the update's "
-                  "size); if the task needs that much capacity, QLoRA or 8-bit AdamW make room for it",
+                  f"r={USUAL_RANK} to {LARGE_RANK} is what most LoRA recipes use (scale lora_alpha with it to keep "
+                  "the update's size); if the task needs that much capacity, QLoRA or 8-bit AdamW make room for it",
                   f"{evidence.ESTIMATED}, {evidence.describe_script(ss)}: adapter weights + optimizer states "
                   f"{gib(big[1])} at r={r} vs {gib(small[1])} at r={USUAL_RANK} (gradients add the adapter weights' "
                   f"size again while they exist); peak {gib(big[2])} vs {gib(small[2])} allocated")

@@ -7,29 +7,14 @@ from typing import Iterator
 
 from .. import evidence
 from ..findings import ERROR, INFO, WARNING
-from ..index import Call, ScriptIndex
+from ..index import ScriptIndex, tokenizer_calls
 from .base import Hit, call_text, known_setup, rule, script_catalog_model, script_model
 
-ENCODE_METHODS = ("encode", "encode_plus", "batch_encode_plus", "__call__", "apply_chat_template")
 SMALL_MAX_LENGTH = 256
 """Padding to a fixed length at or below this many tokens is left alone (cheap, sometimes needed for static shapes)."""
 NOT_TRAINING_FUNCTIONS = ("generate", "infer", "predict", "demo")
 """Tokeniser calls inside functions whose name contains one of these are prompts for generation, not training data."""
 CONCAT_CALLS = ("cat", "concat", "concatenate", "hstack")
-
-
-def tokenizer_calls(ix: ScriptIndex) -> list[Call]:
-    """`tokenizer(...)`, `tokenizer.encode(...)`, `tok.apply_chat_template(..., tokenize=True)` on known tokenizers."""
-    out = []
-    for c in ix.calls:
-        direct = c.name in ix.tokenizer_names
-        method = c.receiver in ix.tokenizer_names and c.tail in ENCODE_METHODS
-        if not (direct or method):
-            continue
-        if c.tail == "apply_chat_template" and not ix.is_true(c.kw("tokenize")) and c.kw("tokenize") is not None:
-            continue  # tokenize=False returns text
-        out.append(c)
-    return out
 
 
 @rule("pad-to-max-length", WARNING, 'padding="max_length" with a large max_length', ("C20", "C21"))
@@ -142,9 +127,6 @@ def _flatten_add(node: ast.AST) -> list[ast.AST]:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return _flatten_add(node.left) + _flatten_add(node.right)
     return [node]
-
-
-RULES = (pad_to_max_length, tokenize_without_truncation, labels_concatenate_inputs, sft_without_packing)
 
 
 NO_PAD_TOKEN_FAMILIES = ("llama", "mistral", "mixtral")
@@ -283,4 +265,5 @@ def _mentions_labels(tree: ast.AST) -> bool:
     return False
 
 
-RULES = (*RULES, missing_pad_token, trainer_without_labels)
+RULES = (pad_to_max_length, tokenize_without_truncation, labels_concatenate_inputs, sft_without_packing,
+         missing_pad_token, trainer_without_labels)

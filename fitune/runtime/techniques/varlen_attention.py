@@ -13,9 +13,22 @@ Installed as a transformers attention implementation ("fitune_varlen"). Its name
 registry, so the model builds no mask at all; rows whose position ids never restart run as one causal segment.
 Models with a sliding window keep transformers' masked path (`varlen_supported` says so).
 
-Under `compile: layers` this function runs eagerly (torch.compiler.disable): its segment bounds come from the data,
-and traced they would recompile the layer for every new row layout (measured on the H200: 2,037 tokens/s instead of
-about 17k, bench/results/peers/real_length.jsonl). The compiled layer is then two graphs, before and after attention.
+Under `compile: layers` the segment loop runs eagerly (torch.compiler.disable): its segment bounds come from the
+data, and traced they would recompile the layer for every new row layout (measured on the H200: 2,037 tokens/s
+instead of about 17k, bench/results/peers/real_length.jsonl). The compiled layer is then two graphs, before and
+after attention.
+
+The kernel path (issue 32; opt-in with FITUNE_VARLEN_KERNEL=1 until verified on a GPU, see `KERNEL_ENV`): on a
+CUDA device with torch's `varlen_attn` (torch >= 2.10, flash attention over
+packed tokens), a packed batch's attention is ONE call over all its rows, no Python loop and no graph break.
+Its segment bounds (`cu_seqlens`) are computed once per batch from the CPU position ids, outside the model
+(`varlen_inputs`, called by fitune.runtime.step), and reach every layer as transformers' `cu_seq_lens_q` /
+`cu_seq_lens_k` / `max_length_q` / `max_length_k` keyword arguments: a traced layer sees a tensor input, not the
+data. Their count is padded to a power of two with empty segments and the max lengths are the row length (an
+upper bound), so a compiled layer sees few shapes and no new constants as layouts change. Elsewhere (the CPU, an
+older torch, fp32, dropout, a head size flash attention lacks) the segment loop above runs, unchanged.
+Parity on the CPU against the loop and transformers' mask, with the kernel replaced by a reference:
+tests/test_varlen_kernel.py; timing on the GPU: bench/packed_attention.py.
 """
 
 from __future__ import annotations
@@ -38,10 +51,142 @@ def _segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return out
 
 
-@torch.compiler.disable  # a compiled layer (compile: layers) runs this eagerly: the segments are data-dependent
+KERNEL_ARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The keyword arguments `varlen_inputs` adds to the model's call (transformers' names, passed to every layer)."""
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+"""Flash attention's limits (torch's aten/src/ATen/native/transformers/cuda/flash_attn: fp16/bf16, head size a
+multiple of 8 up to 256); other inputs keep the segment loop."""
+
+
+def segment_bucket(segments: int) -> int:
+    """The padded count of segments: the next power of two, so a compiled layer sees about log2(rows * length)
+    `cu_seqlens` shapes in all instead of one per count."""
+    return 1 << max(segments - 1, 0).bit_length()
+
+
+def packed_cu_seqlens(position_ids: torch.Tensor, bucket: bool = True) -> torch.Tensor:
+    """Cumulative segment bounds (int32) of all rows flattened into one sequence, as `varlen_attn` takes them.
+
+    A segment begins at each row's first token and wherever a position id is 0 (the same bounds as `_segments`);
+    the last bound is rows x length. With `bucket`, the count of segments is padded to `segment_bucket` by
+    repeating the last bound: empty segments, which attend to nothing and produce no output. Computed on the
+    device the position ids are on: call it on the CPU copy (no host sync)."""
+    length = position_ids.shape[-1]
+    starts = position_ids.reshape(-1, length) == 0
+    starts[:, 0] = True
+    bounds = torch.nonzero(starts.reshape(-1)).flatten()
+    total = torch.tensor([starts.numel()], dtype=bounds.dtype, device=bounds.device)
+    pad = segment_bucket(bounds.numel()) - bounds.numel() if bucket else 0
+    return torch.cat([bounds, total.expand(pad + 1)]).to(torch.int32)
+
+
+_LAST_INPUTS: list = [None, None, None]
+"""The batch `varlen_inputs` answered last: its position ids, (their version counter, rows), the answer."""
+
+
+def varlen_inputs(model, position_ids: torch.Tensor | None, rows: int, device) -> dict:
+    """The keyword arguments that let `model`'s packed attention run as one kernel call (`KERNEL_ARGS`), or {}
+    when its attention is not fitune's varlen, there are no position ids or the kernel cannot run on `device`
+    (the segment loop needs none of them). `rows`: the batch's rows (one row of position ids serves them all).
+
+    Computed where `position_ids` are (pass the CPU copy: no host sync; the caller moves the tensor to the
+    model's device), once per batch: a second call with the same tensor returns the same answer."""
+    if position_ids is None or not kernel_available(device) or _attn_implementation(model) != NAME:
+        return {}
+    last_ids, last_key, last = _LAST_INPUTS
+    if last_ids is position_ids and last_key == (position_ids._version, rows):
+        return dict(last)
+    length = int(position_ids.shape[-1])
+    cu = packed_cu_seqlens(position_ids.reshape(-1, length).expand(rows, length))
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": length, "max_length_k": length}
+    _LAST_INPUTS[:] = [position_ids, (position_ids._version, rows), out]
+    return dict(out)
+
+
+def _attn_implementation(model) -> str | None:
+    """The attention implementation of `model` under its wrappers (DDP / DeepSpeed `.module`, PEFT)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None)
+
+
+_VARLEN_ATTN: list = []
+"""torch's `varlen_attn` once `load_kernel` found it (a module global: a traced layer reads it without importing)."""
+
+
+def load_kernel():
+    """torch's `varlen_attn` (torch >= 2.10), or None on an older torch."""
+    if not _VARLEN_ATTN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _VARLEN_ATTN.append(varlen_attn)
+    return _VARLEN_ATTN[0]
+
+
+KERNEL_ENV = "FITUNE_VARLEN_KERNEL"
+"""Set to 1 to use the kernel path. Off by default until it has trained as the segment loop does on a GPU (the
+`gpu` test of tests/test_varlen_kernel.py and bench/packed_attention.py, not yet run): a faster attention that
+changed what is learned would be a bug."""
+
+
+def kernel_available(device) -> bool:
+    """Whether the kernel path is turned on (`KERNEL_ENV`) and torch's `varlen_attn` can run on `device` (a CUDA
+    device, torch >= 2.10)."""
+    import os
+
+    return (os.environ.get(KERNEL_ENV) == "1" and torch.device(device).type == "cuda"
+            and load_kernel() is not None)
+
+
+def _kernel(query: torch.Tensor):
+    """The varlen kernel where it runs this query (CUDA, flash attention's dtypes and head sizes), else None.
+    (The CPU tests put a reference in its place.)"""
+    d = query.shape[-1]
+    if not query.is_cuda or query.dtype not in FLASH_DTYPES or d % 8 or d > FLASH_MAX_HEAD_DIM or not _VARLEN_ATTN:
+        return None
+    return _VARLEN_ATTN[0]
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers attention-interface function: query (b, heads, s, d), key/value (b, kv_heads, s, d)."""
+    """transformers attention-interface function: query (b, heads, s, d), key/value (b, kv_heads, s, d).
+
+    With `varlen_inputs`' arguments and a kernel for the query: one `varlen_attn` call (traceable, no graph
+    break); otherwise the segment loop (eager under compile)."""
+    packed = {k: kwargs.pop(k, None) for k in KERNEL_ARGS}
+    kernel = _kernel(query)
+    if (kernel is not None and packed["cu_seq_lens_q"] is not None and attention_mask is None and not dropout
+            and query.shape[2] == key.shape[2]):
+        return _kernel_forward(kernel, query, key, value, packed["cu_seq_lens_q"], packed["cu_seq_lens_k"],
+                               packed["max_length_q"], packed["max_length_k"], scaling)
+    return _segment_loop_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 is_causal=is_causal, **kwargs)
+
+
+def _kernel_forward(kernel, query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling: float | None):
+    """All rows as one packed sequence through `kernel` (varlen_attn's signature): causal within each segment of
+    `cu_q` / `cu_k`. Returns transformers' (output (b, s, heads, d), None)."""
+    b, heads, s, d = query.shape
+    kv_heads = key.shape[1]
+    # (b, heads, s, d) -> (b * s, heads, d), tokens of all rows in a row: the projections' memory layout, so a
+    # view where RoPE kept it (one copy otherwise)
+    q = query.transpose(1, 2).reshape(b * s, heads, d)
+    k = key.transpose(1, 2).reshape(b * s, kv_heads, d)
+    v = value.transpose(1, 2).reshape(b * s, kv_heads, d)
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
+                 enable_gqa=kv_heads != heads)  # window (-1, 0): causal; GQA without repeating K and V
+    return out.view(b, s, heads, d), None
+
+
+@torch.compiler.disable  # a compiled layer (compile: layers) runs this eagerly: the segments are data-dependent
+def _segment_loop_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """The packed rows segment by segment (SDPA is_causal per segment): the CPU / older-torch path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.pop("position_ids", None)
@@ -83,5 +228,6 @@ def enable_varlen_attention(model) -> bool:
     if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME) or not varlen_supported(config):
         return False
     AttentionInterface.register(NAME, varlen_attention_forward)
+    load_kernel()  # here, eagerly: the traced attention only reads the module global
     base.set_attn_implementation(NAME)
     return True
