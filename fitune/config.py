@@ -99,7 +99,7 @@ class TrainConfig:
                                      "deleted)")
     report_to: tuple[str, ...] = key((), kind="names", choices=LOGGERS, metavar="tensorboard,wandb",
                                      help="loggers besides metrics.jsonl: tensorboard | wandb (offline without a key)")
-    log_every: int = key(1, kind="int", minimum=1, maximum=10**9, help="print a progress line every N steps")
+    log_every: int = key(1, kind="int", minimum=1, maximum=10**9, help="without the progress bar (--no-progress): a progress line every N steps")
     merge: bool = key(False, kind="bool", help="also write the base model with the adapter merged in")
     oom_guard: bool = key(True, kind="bool", help="on CUDA out of memory, re-plan (smaller micro-batches, then "
                                                   "checkpointing) and retry the step")

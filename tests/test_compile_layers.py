@@ -92,7 +92,6 @@ def test_the_estimator_counts_what_a_compiled_layer_saves():
     x = torch.randn(b, s, CFG["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     traced = _saved_bytes(model, layer, x, pos)
-    adapter_copies = 2 * 2 * 4 * (CFG["hidden_size"] + 2 * CFG["num_key_value_heads"] * CFG["head_dim"])
     layer_input = 2 * b * s * CFG["hidden_size"]
 
     def saved(layers):
@@ -103,7 +102,9 @@ def test_the_estimator_counts_what_a_compiled_layer_saves():
     # the q/v adapters' input (the normed hidden state) is saved, as in eager: an earlier estimator left it out
     # after CUDA runs whose compiled LoRA gradients were zero (bench/results/speed/zero_grads/); the GPU runs
     # since, gradients checked (bench/results/speed/compile_parity.jsonl), agree with this trace
-    assert traced - adapter_copies <= per_layer - layer_input <= traced
+    # and the bf16 casts of A and s B the branch multiplies by (counted since issue 34; before, the tolerance here
+    # was exactly their size)
+    assert per_layer - layer_input == traced
 
 
 def test_packed_rows_do_not_recompile_the_layers():

@@ -153,7 +153,7 @@ def test_seeds_case_explains_the_options_that_do_not_fit():
     result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2,
                               methods=("lora", "qlora", "full"), losses=("hf",)))
     messages = "\n".join(r.message for r in result.rejected)
-    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.97 GiB > 23.40 GiB" in messages
+    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.98 GiB > 23.40 GiB" in messages
     assert any(r.option == "full fine-tune" and r.reason == "over_budget" for r in result.rejected)
     full = next(r for r in result.rejected if r.option == "full fine-tune")
     assert full.peak_allocated_bytes > full.budget_bytes and "GiB > 23.40 GiB budget" in full.message

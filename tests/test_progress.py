@@ -187,3 +187,24 @@ def test_plan_data_shows_its_encoding_when_forced(workspace, monkeypatch, capsys
     assert main(["plan", model, "--gpu", "rtx4090", "--data", data]) == 0
     err = capsys.readouterr().err
     assert "plan: encoding --data" in err and "300/300" in err
+
+
+def test_without_a_bar_log_every_prints_a_line_every_n_steps_and_the_last(caplog):
+    """`log_every` (it was accepted and ignored: issue 34's every-key test found it): with --no-progress a line
+    every N steps and at the last step, through the fitune logger."""
+    import logging
+
+    bar = progress_bar(10, 0, enabled=False, log_every=3)
+    with caplog.at_level(logging.INFO, logger="fitune"):
+        for step in range(1, 11):
+            if step == 5:
+                bar.set_eval_loss(1.5)
+            bar.update({"step": step, "loss": 2.0 + step / 100, "tokens_per_s": 100.0})
+    lines = [r.getMessage() for r in caplog.records if r.name == "fitune"]
+    assert [line.split(":")[0] for line in lines] == ["step 3/10", "step 6/10", "step 9/10", "step 10/10"]
+    assert lines[0] == "step 3/10: loss 2.0300, 100 tok/s" and "eval 1.5000" in lines[1]
+    caplog.clear()
+    quiet = progress_bar(10, 0, enabled=False)  # no log_every: nothing, as before
+    with caplog.at_level(logging.INFO, logger="fitune"):
+        quiet.update({"step": 10, "loss": 1.0, "tokens_per_s": 1.0})
+    assert not caplog.records

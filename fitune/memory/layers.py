@@ -115,20 +115,23 @@ def lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Te
 
 
 def lean_lora_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: LinearSpec) -> Tensor:
-    """fitune's lean LoRA (fitune/runtime/techniques/lean_lora.py): `base_layer(x) + branch(x)` in the activations'
-    dtype. The branch saves x (held anyway) and x A^T (r values per token); its output is scaled in place; its
-    backward makes the r-wide gradient, then the input's gradient; A and B get fp32 gradients.
+    """fitune's lean LoRA (fitune/runtime/techniques/lean_lora.py `lora_branch`): `base_layer(x) + branch(x)` in
+    the activations' dtype. The branch saves x (held anyway), x A^T (r values per token) and the two matrices it
+    multiplies by, cast to the activations' dtype: A (r x n_in) and s B (n_out x r); its backward makes the r-wide
+    gradient, then the input's gradient; A and B get fp32 gradients through the casts.
     """
     T, w, r = c.tokens, c.act_bytes, c.lora_rank
     n_in, n_out = lin.in_features, lin.out_features
     base = frozen_or_trainable_linear(ag, c, x, lin)
+    a_cast = ag.new(w * r * n_in, True, f"{lin.name}:lora_A_cast")
+    sb_cast = ag.new(w * n_out * r, True, f"{lin.name}:lora_sB_cast")
     xa = ag.new(w * r * T, True, f"{lin.name}:lora_xa")
     branch = ag.new(w * n_out * T, True, f"{lin.name}:lora_branch")
-    # compiled or not, the branch keeps x for A's gradient (traced on the CPU: tests/test_compile_layers.py; on
-    # CUDA measured with the gradients checked, bench/results/speed/compile_parity.jsonl)
-    ag.record(branch, [x], [x, xa], [w * n_in * T], extra_bytes=w * r * T,
+    # compiled or not, the branch keeps x for A's gradient and the cast matrices (traced on the CPU:
+    # tests/test_compile_layers.py; on CUDA measured with the gradients checked, bench/results/speed/)
+    ag.record(branch, [x], [x, xa, a_cast, sb_cast], [w * n_in * T], extra_bytes=w * r * T,
               param_grad_bytes=FP32 * r * (n_in + n_out), label=f"{lin.name}:lora")
-    ag.drop(xa)
+    ag.drop(xa, a_cast, sb_cast)
     out = ag.new(w * n_out * T, True, f"{lin.name}:out")
     ag.record_passthrough(out, [base, branch])
     ag.drop(base, branch)

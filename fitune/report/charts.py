@@ -86,12 +86,7 @@ def stacked_bars(rows: list[BarRow], marker: Marker | None = None, width: int = 
         return label_w + plot_w * b / axis_max
 
     out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" role="img" aria-label="{esc(caption)}">']
-    out.append('<g class="axis">')
-    for t in ticks:
-        out.append(f'<line class="grid" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top - 4}" y2="{height - 24}"/>'
-                   f'<text x="{x(t):.1f}" y="{height - 8}" text-anchor="middle">{esc(format_value(t / size))}'
-                   f'{" " + unit if t == ticks[-1] else ""}</text>')
-    out.append("</g>")
+    out += _x_axis(ticks, x, top - 4, height, lambda t: format_value(t / size), unit)
     for i, row in enumerate(rows):
         y = top + i * row_h + 5
         h = row_h - 12
@@ -161,13 +156,8 @@ def value_bars(rows: list[ValueBar], width: int = 1140, label_w: int | None = No
     def x(v: float) -> float:
         return label_w + plot_w * v / axis_max
 
-    out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" role="img" aria-label="{esc(caption)}">',
-           '<g class="axis">']
-    for t in ticks:
-        out.append(f'<line class="grid" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="4" y2="{height - 24}"/>'
-                   f'<text x="{x(t):.1f}" y="{height - 8}" text-anchor="middle">{esc(format_value(t))}'
-                   f'{" " + unit if t == ticks[-1] and unit else ""}</text>')
-    out.append("</g>")
+    out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" role="img" aria-label="{esc(caption)}">']
+    out += _x_axis(ticks, x, 4, height, format_value, unit)
     for i, r in enumerate(rows):
         y = 8 + i * row_h + 4
         h = row_h - 12
@@ -318,12 +308,18 @@ def _stack_area(f: _Frame, s: Series, tops: list[list[tuple[float, float]]], i: 
         x, y, k = s.points[j]
         if not y:
             continue
-        shown = format_bytes(y) if bytes_axis else format_value(y)
-        out.append(f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(top_edge[j][1]):.1f}" r="1.6" fill="{fill(s.color)}" '
-                   f'data-key="{esc(k)}" data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} '
-                   f"{esc(format_value(x))}: {esc(shown)}</title></circle>")
+        out.append(_mark(f, s, x, y, top_edge[j][1], "1.6", fill(s.color), k, bytes_axis, x_label))
     out.append("</g>")
     return out
+
+
+def _mark(f: _Frame, s: Series, x: float, y: float, y_drawn: float, r: str, color: str, k, bytes_axis: bool,
+          x_label: str) -> str:
+    """One point's circle at (x, y_drawn), its tooltip saying the value y."""
+    shown = format_bytes(y) if bytes_axis else format_value(y)
+    return (f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(y_drawn):.1f}" r="{r}" fill="{color}" data-key="{esc(k)}" '
+            f'data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} {esc(format_value(x))}: '
+            f"{esc(shown)}</title></circle>")
 
 
 def _series_line(f: _Frame, s: Series, bytes_axis: bool, x_label: str, max_marks: int) -> list[str]:
@@ -339,12 +335,9 @@ def _series_line(f: _Frame, s: Series, bytes_axis: bool, x_label: str, max_marks
     marks = good[::every]
     if marks[-1] is not good[-1]:
         marks.append(good[-1])
-    r = 3.2 if len(marks) <= 60 else 2
+    r = "3.2" if len(marks) <= 60 else "2"
     for x, y, k in marks:
-        shown = format_bytes(y) if bytes_axis else format_value(y)
-        out.append(f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(y):.1f}" r="{r}" fill="{s.color}" data-key="{esc(k)}" '
-                   f'data-value="{esc(repr(y))}"><title>{esc(s.name)} at {x_label} {esc(format_value(x))}: '
-                   f"{esc(shown)}</title></circle>")
+        out.append(_mark(f, s, x, y, y, r, s.color, k, bytes_axis, x_label))
     out.append("</g>")
     return out
 
@@ -363,3 +356,16 @@ def _line_legends(series: list[Series], stack: list[Series]) -> list[str]:
             f'<span><span class="swatch" style="background:{s.color}"></span>{esc(s.name)}</span>'
             for s in series if s.points) + "</div>")
     return out
+
+
+def _x_axis(ticks, x, grid_top: float, height: int, label, unit: str) -> list[str]:
+    """A bar chart's value axis: a grid line and a label per tick, the unit after the last label (when there is
+    one)."""
+    out = ['<g class="axis">']
+    for t in ticks:
+        out.append(f'<line class="grid" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{grid_top}" y2="{height - 24}"/>'
+                   f'<text x="{x(t):.1f}" y="{height - 8}" text-anchor="middle">{esc(label(t))}'
+                   f'{" " + unit if t == ticks[-1] and unit else ""}</text>')
+    out.append("</g>")
+    return out
+

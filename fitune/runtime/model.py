@@ -392,16 +392,7 @@ def prepare_model(model, s: TrainSetup):
         from .techniques.fused_kernels import enable_liger_kernels
 
         enable_liger_kernels(model)
-    if s.method in ("lora", "qlora"):
-        targets = ALL_LINEAR if s.all_linear else list(s.lora_targets)
-        model = wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha, dropout=s.lora_dropout)
-    elif s.method == "freeze":
-        layers = find_decoder_layers(model)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for layer in list(layers)[-s.freeze_trainable_layers:]:
-            for p in layer.parameters():
-                p.requires_grad_(True)
+    model = make_trainable(model, s)
     if s.lean_lora:
         from .techniques.lean_lora import enable_lean_lora
 
@@ -430,6 +421,26 @@ def prepare_model(model, s: TrainSetup):
         from .techniques.compile_layers import enable_compiled_layers
 
         enable_compiled_layers(model)
+    return model
+
+
+def make_trainable(model, s: TrainSetup):
+    """The method's trainable parameters: LoRA adapters (PEFT, `wrap_lora`), the last `freeze_trainable_layers`
+    decoder layers for freeze, every parameter for full. The one preparation of the runner and of the trace engine
+    (fitune/trace/engine.py). Returns the model to train (PEFT's wrapper for LoRA)."""
+    if s.method in ("lora", "qlora"):
+        targets = ALL_LINEAR if s.all_linear else list(s.lora_targets)
+        return wrap_lora(model, s.lora_rank, targets, alpha=s.lora_alpha, dropout=s.lora_dropout)
+    if s.method == "freeze":
+        layers = find_decoder_layers(model)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for layer in list(layers)[-s.freeze_trainable_layers:]:
+            for p in layer.parameters():
+                p.requires_grad_(True)
+    else:  # full (a loaded model's parameters already require grad: said, not assumed)
+        for p in model.parameters():
+            p.requires_grad_(True)
     return model
 
 

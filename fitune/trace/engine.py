@@ -239,7 +239,7 @@ def _prepare_model(hf_config: dict, setup: TrainSetup, label: str, model_type: s
     import torch
 
     from fitune.runtime.layers import find_decoder_layers
-    from fitune.runtime.model import build_random_model, enable_checkpointing, wrap_lora
+    from fitune.runtime.model import build_random_model, set_checkpointing
     from fitune.runtime.optim import build_optimizer
 
     ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
@@ -250,11 +250,11 @@ def _prepare_model(hf_config: dict, setup: TrainSetup, label: str, model_type: s
                    hidden_size=getattr(text_config, "hidden_size", None))
     vocab = int(model.get_input_embeddings().weight.shape[0])
     setup = _peft_default_targets(model, setup, label, model_type, notes)  # the setup modelled from here on
-    model = _make_trainable(model, setup, layers, wrap_lora, label, model_type)
+    model = _make_trainable(model, setup, layers, label, model_type)
     if ckpt_mode != "none":
-        enable_checkpointing(model)
+        set_checkpointing(model, True)  # the runner's checkpointing (non-reentrant), as prepare_model sets it
         if ckpt_mode == "selective":
-            _checkpoint_first_layers(layers, setup.selective_k(), label, model_type)
+            _checkpoint_first_layers(model, layers, setup.selective_k(), label, model_type)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
@@ -426,32 +426,22 @@ def _build(build_random_model, hf_config: dict, setup: TrainSetup, label: str, m
         ) from exc
 
 
-def _make_trainable(model, setup: TrainSetup, layers: list, wrap_lora, label: str, model_type: str):
-    """The method's trainable parameters, as fitune's runner sets them (`prepare_for_setup`)."""
-    if setup.method == "lora":
-        targets = "all-linear" if setup.all_linear else list(setup.lora_targets)
-        try:
-            model = wrap_lora(model, setup.lora_rank, targets, alpha=setup.lora_alpha, dropout=setup.lora_dropout)
-        except ValueError as exc:
-            if "not found in the base model" in str(exc):
-                raise ConfigError(_missing_targets_message(model, setup, label, model_type)) from exc
-            raise TraceModelError(f"PEFT cannot add LoRA adapters to {label}: "
-                                  f"{_first_line(exc)}") from exc
-    elif setup.method == "freeze":
-        if not layers:
-            raise TraceUnsupportedError(
-                f"--engine trace cannot model --method freeze for {label}: it finds no list of decoder layers "
-                "(transformers GradientCheckpointingLayer) in it; use --method lora or full"
-            )
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for layer in layers[-setup.freeze_trainable_layers:]:
-            for p in layer.parameters():
-                p.requires_grad_(True)
-    else:  # full
-        for p in model.parameters():
-            p.requires_grad_(True)
-    return model
+def _make_trainable(model, setup: TrainSetup, layers: list, label: str, model_type: str):
+    """The method's trainable parameters, set by the runner's own preparation (`fitune.runtime.model.
+    make_trainable`); what it cannot do for this model is said in the trace engine's words."""
+    from fitune.runtime.model import make_trainable
+
+    if setup.method == "freeze" and not layers:
+        raise TraceUnsupportedError(
+            f"--engine trace cannot model --method freeze for {label}: it finds no list of decoder layers "
+            "(transformers GradientCheckpointingLayer) in it; use --method lora or full"
+        )
+    try:
+        return make_trainable(model, setup)
+    except ValueError as exc:
+        if "not found in the base model" in str(exc):
+            raise ConfigError(_missing_targets_message(model, setup, label, model_type)) from exc
+        raise TraceModelError(f"PEFT cannot add LoRA adapters to {label}: {_first_line(exc)}") from exc
 
 
 def _peft_default_targets(model, setup: TrainSetup, label: str, model_type: str, notes: list) -> TrainSetup:
@@ -506,7 +496,7 @@ def _adaptable_module_names(model) -> list[str]:
     return out
 
 
-def _checkpoint_first_layers(layers: list, k: int, label: str, model_type: str) -> None:
+def _checkpoint_first_layers(model, layers: list, k: int, label: str, model_type: str) -> None:
     """selective:K: keep checkpointing on the first K decoder layers only, as fitune's runner does."""
     if not layers or not all(any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
                              for m in layers):
@@ -514,8 +504,9 @@ def _checkpoint_first_layers(layers: list, k: int, label: str, model_type: str) 
             f"--engine trace cannot model --grad-checkpointing selective:{k} for {label}: it finds no list of "
             "decoder layers (transformers GradientCheckpointingLayer) in it; use none or full"
         )
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i < k  # transformers checks this flag on every call
+    from fitune.runtime.techniques.offload import enable_selective_checkpointing
+
+    enable_selective_checkpointing(model, k)  # the runner's own: checkpointing kept on the first k layers
 
 
 _OPTIMIZER_NOTES = {

@@ -319,7 +319,7 @@ class _Report:
         self.metrics = folder.open_metrics(through_step=step)
         self.loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
                                     cfg.to_dict()) if is_main else []  # [parallel] rank 0 alone logs
-        self.bar = progress_bar(total_steps, step, progress, device, cfg.cap)
+        self.bar = progress_bar(total_steps, step, progress, device, cfg.cap, log_every=cfg.log_every)
 
     def step(self, step: int, line: dict) -> None:
         self.metrics.write(json.dumps(line) + "\n")
