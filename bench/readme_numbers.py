@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -151,8 +152,48 @@ def render_results(root: str) -> str:
     lines += ["", f"HF + Liger's strongest figure in each of the five calls of the seeds' workload: "
               f"{', '.join(_n(x) for x in liger)} tokens/s (median {_n(statistics.median(liger))}); fitune's call-5 "
               f"figure is {fitune5 / statistics.median(liger):.2f}x that median. Calls 2 to 4 measured fitune with a "
-              "bug and are withdrawn for fitune ([docs/history.md](docs/history.md))."]
+              "bug and are withdrawn for fitune ([docs/history.md](docs/history.md)).", "", host_ram_note(root)]
     return "\n".join(lines)
+
+
+def _mem_total_gib(env_txt: str) -> int:
+    """`free -g`'s total from a call's env.txt (the GPU machine's host RAM, GiB)."""
+    for line in env_txt.splitlines():
+        if line.startswith("Mem:"):
+            return int(line.split()[1])
+    raise ValueError("no `Mem:` line in env.txt")
+
+
+def host_ram_note(root: str) -> str:
+    """What host RAM the long-context rows assume (issue 33): the GPU machine's, and the host peaks measured for
+    fitune's offloaded checkpoints (bench/results/issue5/call4: the process's peak RSS) against the estimate then
+    (its pinned bytes) plus the process baseline fitune/memory/phases.py assumes."""
+    from fitune.memory.phases import HOST_RUNTIME_BASELINE_BYTES
+
+    gib = 2 ** 30
+    env = open(os.path.join(root, PEERS, "context_per_card", "call2", "env.txt"), encoding="utf-8").read()
+    runs = {(r["method"], r["seq_len_tokens"]): r
+            for r in _lines(root, "bench", "results", "issue5", "call4", "fitune_max_context.jsonl")}
+    first, second = runs[("qlora", 131072)], runs[("qlora", 143360)]
+
+    def est(r: dict) -> str:
+        return f"{(r['est_host_bytes'] + HOST_RUNTIME_BASELINE_BYTES) / gib:.1f} GiB"
+
+    layers = 32  # llama-3.1-8b (fitune/specs catalog): one pinned block per decoder layer
+    block = second["est_host_bytes"] / layers
+    rounded = 2 ** math.ceil(math.log2(block))  # PyTorch < 2.13's pinned allocator: a power of two per block
+    torch_version = next(w for line in env.splitlines() if line.startswith("torch ") for w in line.split()[1:2])
+    torch_minor = ".".join(torch_version.split(".")[:2])
+    return (f"Host RAM: the context rows ran on a machine with {_mem_total_gib(env)} GiB (PyTorch {torch_minor}). "
+            "Offloaded "
+            f"checkpoints keep each layer's input in pinned host memory: a {_n(first['seq_len_tokens'])}-token QLoRA "
+            f"run held {first['host_rss_peak_bytes'] / gib:.1f} GiB at its peak (estimated {est(first)}); a "
+            f"{_n(second['seq_len_tokens'])}-token run measured next in the same process peaked at "
+            f"{second['host_rss_peak_bytes'] / gib:.1f} GiB: PyTorch {torch_minor} rounds each layer's {block / gib:.2f} GiB "
+            f"block up to {rounded / gib:.0f} GiB ({layers} x {rounded / gib:.0f} GiB), and the first run's blocks "
+            f"stayed cached. With PyTorch 2.13+ fitune asks for exact-size blocks: estimated {est(second)} in a fresh "
+            "process, not measured yet. `fitune plan` now holds plans to the host RAM (this machine's, else 64 GiB "
+            f"assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}.")
 
 
 def render_accuracy(root: str) -> str:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .schema import _BAD, Key, Problems, coerce, key, keys_of, label
+from .specs import optimizers as optimizer_specs
 
 METHODS = ("lora", "qlora", "full", "freeze")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "flash", "eager")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
+OPTIMIZERS = optimizer_specs.names()  # the registry: fitune/specs/optimizers.py
 LOSSES = ("hf", "chunked")
 STACKS = ("hf", "fitune")
 KERNELS = ("torch", "liger")
@@ -31,10 +32,7 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16
                   "half": "fp16", "float32": "fp32", "torch.float32": "fp32", "float": "fp32"}
 _ATTN_ALIASES = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flash-attn": "flash",
                  "flash_attn": "flash", "fa2": "flash", "torch": "sdpa", "spda": "sdpa"}
-_OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-                      "adamw_bnb_8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "adamw8bit": "adamw8bit",
-                      "bnb_adamw8bit": "adamw8bit", "paged_adamw_8bit": "paged_adamw8bit",
-                      "pagedadamw8bit": "paged_adamw8bit"}
+_OPTIMIZER_ALIASES = optimizer_specs.aliases()
 _METHOD_ALIASES = {"full_finetune": "full", "full-finetune": "full", "fft": "full", "qlora_nf4": "qlora"}
 _STRATEGY_ALIASES = {"fsdp2": "fsdp", "full_shard": "fsdp", "deepspeed_zero2": "zero2", "zero-2": "zero2",
                      "zero_2": "zero2", "deepspeed_zero3": "zero3", "zero-3": "zero3", "zero_3": "zero3",
@@ -75,7 +73,7 @@ class TrainSetup:
                     help="attention: sdpa (torch scaled_dot_product_attention) | flash (flash-attention 2: the "
                          "flash_attn package, a CUDA GPU) | eager")
     optimizer: str = key("adamw", kind="choice", choices=OPTIMIZERS, aliases=_OPTIMIZER_ALIASES,
-                         help="adamw (fp32 states) | adamw8bit | paged_adamw8bit (bitsandbytes) | adafactor | sgd")
+                         help=optimizer_specs.help_text())
     batch_size: int = key(2, kind="int", minimum=1, maximum=65536, help="sequences per micro-batch")
     seq_len_tokens: int = key(2048, yaml="seq_len", flag="--seq-len", kind="int", minimum=1, maximum=1 << 24,
                               unit="tokens", help="tokens per sequence")
@@ -218,7 +216,7 @@ def _value_problems(s: TrainSetup, name, num_layers: int | None) -> list[str]:
     problems = _one_of(name, "method", s.method, METHODS)
     problems += _one_of(name, "dtype", s.dtype, DTYPES)
     problems += _one_of(name, "attn", s.attn, ATTNS)
-    problems += _one_of(name, "optimizer", s.optimizer, OPTIMIZERS)
+    problems += _one_of(name, "optimizer", s.optimizer, optimizer_specs.names())
     problems += _one_of(name, "loss", s.loss, LOSSES)
     problems += _one_of(name, "stack", s.stack, STACKS)
     problems += _one_of(name, "strategy", s.strategy, STRATEGIES)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .specs import optimizers as optimizer_specs
 from .schema import FOREIGN_KEYS, FOREIGN_LORA_KEYS, OTHER_TRAINERS_NAME
 
 NOT_TRANSLATED = {
@@ -40,16 +41,14 @@ _FUSED = ("the same AdamW update and 32-bit states; fitune runs torch.optim.Adam
 _PAGED = ("paging dropped: bitsandbytes moves paged states to CPU memory only when the GPU runs out; adamw keeps "
           "the same 32-bit states on the GPU, where `fitune estimate` counts them (paged_adamw8bit pages 8-bit ones)")
 FOREIGN_OPTIMIZERS: dict[str, tuple[str, str | None]] = {
-    "adamw_torch": ("adamw", None), "adamw_hf": ("adamw", None), "adamw": ("adamw", None),
+    **{alias: (name, None) for alias, name in optimizer_specs.aliases().items()},  # the registry's spellings
     "adamw_torch_fused": ("adamw", _FUSED), "adamw_apex_fused": ("adamw", _FUSED),
     "paged_adamw_32bit": ("adamw", _PAGED), "paged_adamw": ("adamw", _PAGED),
-    "adamw_8bit": ("adamw8bit", None), "adamw_bnb_8bit": ("adamw8bit", None), "bnb_adamw8bit": ("adamw8bit", None),
-    "paged_adamw_8bit": ("paged_adamw8bit", None), "pagedadamw8bit": ("paged_adamw8bit", None),
-    "adafactor": ("adafactor", None), "sgd": ("sgd", None),
 }
 """HF Trainer / TRL / Axolotl `optim` names -> fitune's optimizer of the same state precision, and what the change
-means (None: a spelling of the same optimizer). A name not here is copied: fitune's reader then refuses it with
-the closest name of the same precision."""
+means (None: a spelling of the same optimizer, from fitune/specs/optimizers.py's aliases; fitune's own names are
+taken as they are). A name not here is copied: fitune's reader then refuses it with the closest name of the same
+precision."""
 
 TORCHTUNE_OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "torch.optim.AdamW": ("adamw", None), "torch.optim.SGD": ("sgd", None),

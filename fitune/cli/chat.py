@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..infer.generate import ChatSession
+from . import generate as generate_cli
+from .generate import add_load_arguments, add_sampling_arguments, settings_from_args
+
 DESCRIPTION = """\
 Chat with a trained model: type a message, the reply is printed token by token as it is generated. The
 conversation goes through the tokenizer's chat template and is kept across turns.
@@ -19,8 +23,6 @@ a Hugging Face model folder, or a PEFT adapter folder. Reads stdin, so a convers
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from .generate import add_load_arguments, add_sampling_arguments
-
     p = subparsers.add_parser("chat", help="chat with a trained model in the terminal",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_arguments(p)
@@ -31,13 +33,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from .generate import load_from_args, settings_from_args
-
     settings = settings_from_args(args)
-    model, tokenizer, info = load_from_args(args)
+    model, tokenizer, info = generate_cli.load_from_args(args)  # looked up when called: tests replace it
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import torch
-
-    from ..infer.generate import ChatSession
 
     torch.manual_seed(args.seed)
     session = ChatSession(model, tokenizer, settings, system=args.system)

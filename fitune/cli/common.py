@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+from ..config import config_keys_in
+from ..errors import ConfigError
+from ..files import check_target, write_keeping_previous as write
+from ..schema import Problems, add_arguments, load_config_file, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
 
 
@@ -12,8 +17,6 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model: bool = True, confi
     """MODEL, `--config FILE.yaml` and one flag per TrainSetup field (fitune/setup.py declares them).
 
     Flags not given leave the config file's value (or the default) in place: flags always win over the file."""
-    from ..schema import add_arguments
-
     if model:
         p.add_argument("model", nargs="?", metavar="MODEL", help="catalog name (llama-3.1-8b), Hugging Face id "
                        "(meta-llama/Llama-3.1-8B), config.json, or model folder")
@@ -28,15 +31,10 @@ def setup_and_model(args, default_stack: str | None = None) -> tuple[str | None,
     """(model, TrainSetup, origin) from `--config` (when given) with the flags applied on top.
 
     `origin` maps each field set by the file to "yaml" and each set by a flag to "flag", for error messages."""
-    from ..schema import Problems, values_from_args
-
     model = getattr(args, "model", None)
     base = DEFAULT_SETUP if default_stack is None else DEFAULT_SETUP.replace(stack=default_stack)
     origin: dict[str, str] = {}
     if getattr(args, "config", None):
-        from ..config import config_keys_in
-        from ..schema import load_config_file
-
         file_model, values = config_keys_in(load_config_file(args.config), args.config)
         base = TrainSetup(**{"stack": "fitune", **values})  # a train config describes fitune's runner
         origin.update({f: "yaml" for f in values})
@@ -52,8 +50,6 @@ def write_keeping_previous(path: str, text: str, flag: str = "--write") -> str |
     """Write `text` to `path` whole and keep an earlier file with other contents as `PATH.bak` (`.bak.1`, ...), so a
     hand-edited plan is never lost to a second `fitune plan --write`; the old file keeps its name until the new
     one is complete (fitune/files.py `write_keeping_previous`). Returns the name it was kept under, or None."""
-    from ..files import write_keeping_previous as write
-
     return write(path, text, what=flag)
 
 
@@ -61,11 +57,6 @@ def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
     """Refuse, before any work is done, an output file that cannot be written: an empty name, anything but a
     regular file in its place (a symbolic link, a FIFO, a socket, a device, a folder), a path under a file, a
     missing folder (unless the writer makes it: `make_parents`) or one this user cannot write."""
-    import os
-
-    from ..errors import ConfigError
-    from ..files import check_target
-
     if not path or not path.strip():
         raise ConfigError(f"{flag} needs a file name, got {path!r}")
     check_target(path, flag)  # a link, pipe, device or folder: refused before any work (and again when written)

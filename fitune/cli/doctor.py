@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from ..data.hub import is_hub_id
+from ..data.read import SUFFIXES
+from ..doctor.data import DEFAULT_BATCH_SIZE, scan_data
+from ..doctor.findings import worst_exit_code
+from ..doctor.script import diagnose_script
 from ..errors import ConfigError
+from ..report import add_html_argument
+from ..schema import Problems, values_from_args
+from ..setup import SETUP_KEYS
+from ..specs.gpu import resolve_gpu
+from .common import add_setup_arguments, check_output_file
+from .estimate import estimate_to_json, format_estimate
 
 DESCRIPTION = """\
 Check a training script, or a training data file, for what makes fine-tuning run out of memory or run slowly.
@@ -53,9 +65,6 @@ _SHARED_FLAGS = ("seq_len_tokens", "batch_size")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..doctor.data import DEFAULT_BATCH_SIZE
-    from .common import add_setup_arguments
-
     p = subparsers.add_parser("doctor", help="find what is wrong in a training script or data file",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="a training script (.py) or notebook (.ipynb); read, "
@@ -77,22 +86,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "JSON object with a findings list")
     p.add_argument("--list-rules", action="store_true", help="print the script rules and exit")
     add_setup_arguments(p, model=False, config=False, skip=_SHARED_FLAGS)
-    from ..report import add_html_argument
-
     add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
 
 def run(args) -> int:
-    from ..doctor.data import DEFAULT_BATCH_SIZE
-    from ..doctor.findings import worst_exit_code
-
     if args.list_rules:
         return _list_rules()
     if args.html is not None:
-        from .common import check_output_file
-
         check_output_file(args.html, "--html", make_parents=True)
     if args.script and args.data:
         raise ConfigError("pass either SCRIPT or --data FILE, not both (run fitune doctor twice)")
@@ -110,9 +112,6 @@ def run(args) -> int:
 
 def setup_overrides(args) -> dict:
     """TrainSetup fields given as flags (generated from the schema, as fitune estimate's), checked by name."""
-    from ..schema import Problems, values_from_args
-    from ..setup import SETUP_KEYS
-
     problems = Problems()
     out = values_from_args(args, [k for k in SETUP_KEYS if k.field not in _SHARED_FLAGS], problems)
     for f, flag in (("seq_len_tokens", "--seq-len"), ("batch_size", "--batch-size")):
@@ -126,13 +125,11 @@ def setup_overrides(args) -> dict:
 
 
 def _run_script(args, worst_exit_code) -> int:
-    from ..doctor.script import diagnose_script
-    from ..specs.gpu import resolve_gpu
-
     gpu = resolve_gpu(DEFAULT_GPU if args.gpu is None else args.gpu)
     report = diagnose_script(args.script, gpu, setup_overrides(args), args.model)
     doc = _script_document(args.script, gpu.name, report)
     if args.html is not None:
+        # the command's library: imported when it runs, so that `fitune --help` stays light
         from ..doctor.html import write_script_page
 
         write_script_page(args.html, report, doc)
@@ -148,8 +145,6 @@ def _run_script(args, worst_exit_code) -> int:
 def _script_document(path: str, gpu_name: str, report) -> dict:
     """`fitune doctor SCRIPT --json`'s document (keys: SCRIPT_JSON_KEYS). For a notebook, every line counts within
     its cell, with a `cell` key beside it (fitune.doctor.notebook.Notebook.locate_document)."""
-    from .estimate import estimate_to_json
-
     d = report.diagnosis
     doc = {"script": path, "gpu": gpu_name,
            "setup": report.script.to_dict() if report.script else None,
@@ -166,8 +161,6 @@ def _script_text(path: str, report) -> str:
     """What `fitune doctor SCRIPT` prints: the setup, the estimate, the fixes, then the findings."""
     from ..doctor.report import count_text, format_findings, format_fixes, format_script_setup
     from ..doctor.rules import ALL_RULES
-    from .estimate import format_estimate
-
     notebook = report.source.notebook if report.source is not None else None
     d, findings, out = report.diagnosis, report.findings, []
     if d is not None:
@@ -191,13 +184,7 @@ def _estimate_text(text: str) -> str:
 
 
 def _run_data(args, worst_exit_code) -> int:
-    from ..doctor.data import scan_data
     from ..doctor.report import format_data_report
-
-    import os
-
-    from ..data.hub import is_hub_id
-    from ..data.read import SUFFIXES
 
     if not os.path.exists(args.data) and not is_hub_id(args.data, SUFFIXES):  # ORG/NAME: a Hub data set
         raise ConfigError(f"--data {args.data}: no such file; pass the data file (or Hub data set id ORG/NAME) your "

@@ -7,8 +7,14 @@ import json
 import sys
 
 from ..errors import ConfigError
+from ..memory import estimate
+from ..memory.phases import host_peak, phase_peaks, source_of, worst_phase
+from ..report import add_html_argument, maybe_write_html
 from ..setup import TrainSetup, technique_labels
+from ..specs.gpu import catalog_gpu_names, gpu_catalog, resolve_gpu
+from ..specs.model import check_hf_config, describe_source, load_model_spec, model_catalog, resolve_model_source
 from ..units import count_text, gib
+from .common import add_setup_arguments as add, check_output_file, setup_and_model
 
 DESCRIPTION = """\
 Estimate the peak GPU memory of one fine-tuning step, before running it.
@@ -45,8 +51,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (keys documented in docs/reference.md, \"JSON output\", and docs/phases.md)")
     p.add_argument("--list-models", action="store_true", help="print the model catalog and exit")
     p.add_argument("--list-gpus", action="store_true", help="print the GPU catalog and exit")
-    from ..report import add_html_argument
-
     add_html_argument(p)
     p.set_defaults(run=run)
     return p
@@ -54,15 +58,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_setup_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL, --config and the TrainSetup flags, shared with `fitune profile` (generated: fitune/cli/common.py)."""
-    from .common import add_setup_arguments as add
-
     add(p)
 
 
 def setup_from_args(args) -> TrainSetup:
     """The setup the flags (and --config) describe; `args.model` is filled from the config when not given."""
-    from .common import setup_and_model
-
     model, setup, origin = setup_and_model(args)
     args.model = model
     args.setup_origin = origin
@@ -76,6 +76,7 @@ def _setup_pointing_to_translate(args) -> TrainSetup:
     except ConfigError as exc:
         if not getattr(args, "config", None):
             raise
+        # the command's library: imported when it runs, so that `fitune --help` stays light
         from ..translate import foreign_config_error
 
         pointed = foreign_config_error(exc, args.config, then="fitune estimate --config run.yaml")
@@ -85,9 +86,6 @@ def _setup_pointing_to_translate(args) -> TrainSetup:
 
 
 def run(args) -> int:
-    from ..specs.gpu import catalog_gpu_names, gpu_catalog, resolve_gpu
-    from ..specs.model import describe_source, load_model_spec, model_catalog
-
     if args.list_models:
         for name, entry in sorted(model_catalog().items()):
             print(f"{name:18s} {entry.get('hf_id', '')}")
@@ -101,15 +99,11 @@ def run(args) -> int:
     if not args.model:
         raise ConfigError("MODEL is missing: name a catalog model (e.g. llama-3.1-8b), a config.json or a model folder")
     if args.html is not None:
-        from .common import check_output_file
-
         check_output_file(args.html, "--html", make_parents=True)
     gpu = resolve_gpu(args.gpu) if args.gpu is not None else None
     if args.engine == "trace":  # builds any architecture transformers knows: no analytic ModelSpec, no arch check
         return _run_trace(args, setup, gpu)
     model = load_model_spec(args.model)
-    from ..memory import estimate
-
     est = estimate(model, setup, gpu)
     suggestions = []
     if gpu is not None and (not est.fits or est.retries_expected):
@@ -124,8 +118,6 @@ def run(args) -> int:
     if gpu is not None:
         doc["suggestions"] = [{"change": x.change, "why": x.why, "peak_reserved_bytes": x.peak_reserved_bytes,
                                "retries_expected": x.retries} for x in suggestions]
-    from ..report import maybe_write_html
-
     maybe_write_html(args, "estimate", doc)
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
@@ -140,8 +132,6 @@ def run(args) -> int:
 
 def _run_phases(args, model, setup: TrainSetup, est) -> list:
     """Every phase of the run (fitune/memory/phases.py), for --source and --eval-seq-len."""
-    from ..memory.phases import phase_peaks, source_of
-
     if args.eval_seq_len is not None and args.eval_seq_len < 1:
         raise ConfigError(f"--eval-seq-len {args.eval_seq_len}: give the longest eval row in tokens (1 or more)")
     source = args.source or source_of(args.model)
@@ -151,8 +141,6 @@ def _run_phases(args, model, setup: TrainSetup, est) -> list:
 def run_phases_to_json(peaks, gpu) -> dict:
     """The keys --json adds for every phase of the run (docs/phases.md): `run_phases`, `worst_phase`,
     `host_peak_phase`, `host_peak_bytes`, and with --gpu `run_fits`."""
-    from ..memory.phases import host_peak, worst_phase
-
     worst, host = worst_phase(peaks), host_peak(peaks)
     out = {
         "run_phases": [{"name": p.name, "gpu_allocated_bytes": p.gpu_allocated_bytes,
@@ -169,8 +157,6 @@ def run_phases_to_json(peaks, gpu) -> dict:
 
 def format_run_phases(peaks, gpu) -> str:
     """One line per phase of the run (GPU allocated / reserved, host), then the verdict on the worst phase."""
-    from ..memory.phases import host_peak, worst_phase
-
     lines = ["", "  every phase of the run (GPU allocated / reserved; host memory):"]
     for p in peaks:
         gpu_part = f"{gib(p.gpu_allocated_bytes):>10s} / {gib(p.gpu_reserved_bytes):>10s}" if p.gpu_allocated_bytes \
@@ -313,8 +299,6 @@ def format_estimate(est, suggestions=()) -> str:
 def _run_trace(args, setup: TrainSetup, gpu) -> int:
     """`--engine trace`: the real transformers + PEFT model on fake tensors, for any architecture transformers
     builds from the config.json. Every setting is traced as given or refused by name (fitune/trace/support.py)."""
-    from ..specs.model import check_hf_config, resolve_model_source
-
     source = resolve_model_source(args.model)
     cfg = source.hf_config.get("text_config") if isinstance(source.hf_config.get("text_config"), dict) \
         else source.hf_config
@@ -322,6 +306,7 @@ def _run_trace(args, setup: TrainSetup, gpu) -> int:
     if problems:  # builds 10**6 layers; the rest (heads dividing hidden, ...) transformers checks and says itself
         raise ConfigError(f"{source.source or source.name}: config.json's {'; '.join(problems)}; fix the file")
     try:
+        # peft, torch, transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
         import peft  # noqa: F401
         import torch  # noqa: F401
         import transformers  # noqa: F401

@@ -6,6 +6,12 @@ import argparse
 import json
 import sys
 
+from ..data import FORMATS
+from ..data.read import read_records
+from ..errors import ConfigError
+from . import generate as generate_cli
+from .generate import add_load_arguments
+
 DESCRIPTION = """\
 Evaluate a trained model (or any model folder) on a data file: the mean loss over the tokens training scores
 (the same encoder as fitune train: chat scores the assistant turns, completion the completion, text all of it;
@@ -24,9 +30,6 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..data import FORMATS
-    from .generate import add_load_arguments
-
     p = subparsers.add_parser("eval", help="loss and perplexity of a trained model on a data file",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_arguments(p)
@@ -43,19 +46,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..infer.evaluate import DEFAULT_SEQ_LEN_TOKENS, evaluate, lm_eval_command
-    from .generate import load_from_args
     from .progress import progress_callback
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: give at least 1")
     if args.seq_len is not None and args.seq_len < 2:
         raise ConfigError(f"--seq-len {args.seq_len}: give at least 2 tokens (typical: 512-4096)")
-    from ..data.read import read_records
-
     read_records(args.data)  # a missing or unreadable data file is said before the model loads (seconds to minutes)
-    model, tokenizer, info = load_from_args(args)
+    model, tokenizer, info = generate_cli.load_from_args(args)  # looked up when called: tests replace it
     seq_len = args.seq_len or info.seq_len_tokens or DEFAULT_SEQ_LEN_TOKENS
     with progress_callback("eval", "batch", enabled=not args.json) as progress:
         result = evaluate(model, tokenizer, args.data, seq_len_tokens=seq_len,

@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from ..errors import FituneError
 from ..units import GiB
 
 DESCRIPTION = """\
@@ -61,6 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..export.gguf import ExportError, check_output_path, export_gguf
     from .progress import progress_callback
 
@@ -99,7 +101,6 @@ def run(args) -> int:
 
 def _model_folder(source: str, error) -> tuple[str, str | None]:
     """(the folder of full weights to export, None) or (None, the run folder whose adapter must be merged first)."""
-    from ..errors import FituneError
     from ..infer.load import describe_folder
 
     if os.path.isfile(source) and source.endswith(".gguf"):

@@ -10,6 +10,9 @@ import json
 import sys
 
 from ..errors import ConfigError, DataError
+from ..files import UnsafeFileError, open_output_stream, read_text_regular
+from ..infer.generate import GenerationSettings, iter_generate
+from .common import check_output_file
 
 DESCRIPTION = """\
 Generate responses with a trained model, one JSON line per prompt on stdout (or --out FILE):
@@ -50,10 +53,12 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 def load_from_args(args):
     """(model, tokenizer, RunInfo) for the shared options; notes about what was loaded go to stderr."""
     try:
+        # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
         import torch  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"fitune {args.command} needs torch, transformers and peft (pip install "
                           "'fitune[torch]')") from exc
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..infer.load import load_run
     from ..runtime.device import pick_device
 
@@ -72,8 +77,6 @@ def load_from_args(args):
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    from ..infer.generate import GenerationSettings
-
     default = GenerationSettings()
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
                    help=f"the most tokens per response (default {max_new_tokens})")
@@ -85,8 +88,6 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> N
 
 
 def settings_from_args(args):
-    from ..infer.generate import GenerationSettings
-
     return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p).validate()
 
@@ -114,8 +115,6 @@ def read_prompts(path: str) -> list:
     Raises:
         DataError: a missing file, a line that is not such an object (every bad line named), no prompt at all.
     """
-    from ..files import read_text_regular
-
     try:
         lines = read_text_regular(path, what="--prompts").splitlines()  # a FIFO or device: refused, never waited on
     except FileNotFoundError:
@@ -157,18 +156,13 @@ def run(args) -> int:
         raise ConfigError(f"--batch-size {args.batch_size}: give at least 1")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     if args.out:
-        from .common import check_output_file
-
         check_output_file(args.out, "--out")
     model, tokenizer, _ = load_from_args(args)
     import torch
 
-    from ..infer.generate import iter_generate
     from .progress import progress_callback
 
     torch.manual_seed(args.seed)
-    from ..files import UnsafeFileError, open_output_stream
-
     # --out grows line by line (read it while it runs; an interrupted run keeps its lines), never through a link
     out = open_output_stream(args.out, what="--out") if args.out else sys.stdout
     try:

@@ -7,7 +7,9 @@ import logging
 import sys
 
 from .. import __version__
+from ..config import ALL_KEYS
 from ..errors import FituneError
+from ..schema import unknown_flag_hint
 from . import chat, doctor, estimate, eval, export, generate, merge, plan, profile, report, train
 
 SUBCOMMANDS = (estimate, plan, train, chat, generate, eval, merge, export, profile, doctor, report)
@@ -34,8 +36,6 @@ def _value_after_a_switch(parser: argparse.ArgumentParser, command: str, argv: l
         i = argv.index(value) if value in argv else -1
         action = sub._option_string_actions.get(argv[i - 1]) if i > 0 else None
         if isinstance(action, argparse.BooleanOptionalAction):
-            from ..config import ALL_KEYS
-
             on, off = action.option_strings[:2]
             yaml_key = next((k.yaml for k in ALL_KEYS if k.flag == on), None)
             in_yaml = f"; in a YAML config: `{yaml_key}: true`" if yaml_key else ""
@@ -47,9 +47,6 @@ def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str],
     """Flags the command does not have: one line each, with a "did you mean" that knows how HF Trainer, TRL, PEFT,
     Axolotl and torchtune spell fitune's keys (`--per-device-train-batch-size` -> `--batch-size`); exit 2. Anything
     else (a stray value) gets argparse's own message."""
-    from ..config import ALL_KEYS
-    from ..schema import unknown_flag_hint
-
     flags = [e for e in extras if e.startswith("--")]
     command = getattr(args, "command", None)
     if command and not flags:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..errors import ConfigError
+
 DESCRIPTION = """\
 Merge a LoRA run's adapter into its base model (PEFT merge_and_unload) and write a standalone Hugging Face model
 folder: safetensors shards (--max-shard-size), the tokenizer, config.json and generation_config.json. It loads
@@ -39,12 +41,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..infer.merge import QLORA_NOTE, check_out_dir, mergeable
 
     check_out_dir(args.out)  # before loading anything
     info = mergeable(args.run_dir, args.checkpoint)
     try:
+        # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
         import torch  # noqa: F401
     except ImportError as exc:
         raise ConfigError("fitune merge needs torch, transformers and peft (pip install 'fitune[torch]')") from exc

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from ..errors import ConfigError, DoesNotFitError
-from ..plan import PlanRequest, policy
-from ..plan.emit import hf_code, plan_yaml
+from ..plan import PlanRequest, plan, policy
+from ..plan.data import choose_seq_len, profile_data
+from ..plan.emit import PLACEHOLDER_DATA, hf_code, model_location, plan_yaml
 from ..plan.policy import available_attns, resolve_host_ram  # noqa: F401 - the names callers and tests import
-from ..report import maybe_write_html
+from ..plan.search import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, describe, kept_as_given, micro_batch_candidates
+from ..report import add_html_argument, maybe_write_html
 from ..schema import Problems, add_arguments, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
 from ..specs.gpu import resolve_gpu
@@ -83,8 +87,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # The setup fields a plan keeps as given: the same flags (and names) as every other command.
     add_arguments(p, [k for k in SETUP_KEYS if k.field in KEPT_FIELDS], defaults=d.to_dict(),
                   group_title="kept as given (the same flags as fitune estimate / train)")
-    from ..report import add_html_argument
-
     add_html_argument(p)
     p.set_defaults(run=run)
     return p
@@ -105,9 +107,7 @@ def kept_setup(args) -> TrainSetup:
 
 def run(args) -> int:
     """Search, then print the plans (or the JSON document, or the code), writing --write / --html when asked."""
-    import time
-
-    from ..plan import plan
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from .progress import progress_callback
 
     _check_outputs(args)
@@ -210,8 +210,6 @@ def _command() -> str:
 
 
 def _write_caveats(args) -> str:
-    from ..plan.emit import PLACEHOLDER_DATA, model_location
-
     out = []
     if not model_location(args.model)[1]:
         out.append(f"set `model:` to a local folder, a .gguf file or the Hub id of {args.model} (fitune train loads "
@@ -236,8 +234,6 @@ def _batch_size(args, seq_len: int) -> tuple[int, list[str]]:
 
 def _check_batch(args, batch_size: int) -> None:
     """--gpus and the batch within what a plan can hold (TrainSetup's bounds), said before the search starts."""
-    from ..plan.search import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, micro_batch_candidates
-
     if args.gpus > 4096:
         raise ConfigError(f"--gpus must be at most 4096, got {args.gpus}")
     if args.gpus >= 1 and batch_size >= 1 and batch_size % args.gpus == 0 \
@@ -248,10 +244,6 @@ def _check_batch(args, batch_size: int) -> None:
 
 
 def _read_data(args, model):
-    import os
-
-    from ..plan.data import choose_seq_len, profile_data
-
     from ..specs.sources import is_gguf_path, is_hub_id
 
     has_tokenizer = os.path.isdir(args.model) or is_gguf_path(args.model) or is_hub_id(args.model)
@@ -288,8 +280,6 @@ def _gib(n: int) -> str:
 
 
 def format_result(result, elapsed_s: float, notes=()) -> str:
-    from ..plan.search import describe, kept_as_given
-
     req = result.request
     g = req.gpu
     lines = [("fitune plan: " if result.plans else "") + f"{req.model.name} on {g.name} "

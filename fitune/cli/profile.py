@@ -8,7 +8,14 @@ import os
 import sys
 
 from ..errors import ConfigError
-from ..units import human_bytes
+from ..files import atomic_writer
+from ..memory import estimate
+from ..perf.flops import hardware_flops_per_token
+from ..report import add_html_argument, maybe_write_html
+from ..specs.gpu import resolve_gpu
+from ..specs.model import load_model_spec
+from ..units import gib, human_bytes
+from .common import check_output_file
 from .estimate import LABELS, add_setup_arguments, setup_from_args
 
 DESCRIPTION = """\
@@ -39,17 +46,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="cuda (default) or cpu (tiny models; tensor-level accounting instead of CUDA counters)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/reference.md)")
     p.add_argument("--plot", metavar="FILE.png", help="write memory over time, phases shaded, the peak marked")
-    from ..report import add_html_argument
-
     add_html_argument(p)
     p.set_defaults(run=run)
     return p
 
 
 def run(args) -> int:
-    from ..specs.gpu import resolve_gpu
-    from ..specs.model import load_model_spec
-
     setup = setup_from_args(args)  # --config's keys, then the flags given on top
     model_name = args.model
     if not model_name:
@@ -65,9 +67,11 @@ def run(args) -> int:
         check_cpu_can_run(spec, setup, model_name)
     check_output_paths(args)
     try:
+        # torch, matplotlib: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
         import torch  # noqa: F401
     except ImportError as exc:
         raise ConfigError("fitune profile needs torch, transformers and peft (pip install 'fitune[torch]')") from exc
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..profile.run import profile
 
     def progress(i, n):
@@ -78,8 +82,6 @@ def run(args) -> int:
                      progress=progress)
     if args.plot and result.timeline:
         _write_plot(result, args.plot)
-    from ..report import maybe_write_html
-
     maybe_write_html(args, "profile", result.to_json())
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2)
@@ -94,7 +96,6 @@ def _write_plot(result, path: str) -> None:
     gets the open file, so the format comes from the name's extension here (png when it has none)."""
     import matplotlib
 
-    from ..files import atomic_writer
     from ..profile.plot import plot_timeline
 
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
@@ -117,8 +118,6 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
@@ -127,10 +126,6 @@ def available_host_bytes() -> int | None:
 def check_cpu_can_run(spec, setup, model_name: str) -> None:
     """Refuse, before any tensor exists, a `--device cpu` run that cannot fit this machine's memory or would take
     hours: the step's estimated bytes against the available host memory, its FLOPs against CPU_MAX_STEP_FLOPS."""
-    from ..memory import estimate
-    from ..perf.flops import hardware_flops_per_token
-    from ..units import gib
-
     problems = []
     est = estimate(spec, setup, None, device="cpu")
     need = est.peak_allocated_bytes + est.host_bytes
@@ -151,8 +146,6 @@ def check_cpu_can_run(spec, setup, model_name: str) -> None:
 
 def check_output_paths(args) -> None:
     """--plot: matplotlib is there and the file can be written, checked before the run rather than after it."""
-    from .common import check_output_file
-
     if args.plot is not None:
         check_output_file(args.plot, "--plot")
         try:

@@ -58,6 +58,7 @@ def progress_callback(desc: str, unit: str, enabled: bool = True) -> Iterator[Pr
             if missing or time.monotonic() - started_s < delay_s:
                 return  # a quick answer imports nothing and draws nothing
             try:
+                # tqdm: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
                 from tqdm import tqdm
             except ImportError:  # the estimator's install: no bar
                 missing = True

@@ -7,8 +7,12 @@ import os
 import sys
 import time
 
-from ..errors import ConfigError
-from ..report.load import KINDS
+from ..errors import ConfigError, FituneError
+from ..files import same_file
+from ..report import load_document, read_run, write_html
+from ..report.check import check_numbers
+from ..report.load import KINDS, check_kind, read_json
+from .common import check_output_file
 
 DESCRIPTION = """\
 Turn a fitune answer into an HTML page you can look at: one file, its CSS, JS and SVG charts inline (nothing is
@@ -67,9 +71,6 @@ def default_output(kind: str, source: str) -> str:
 
 
 def run(args) -> int:
-    from ..report import load_document, read_run, write_html
-    from ..report.load import read_json
-
     problems = []
     if args.measured and args.kind != "estimate":
         problems.append("--measured goes with `fitune report estimate` (a profile shown beside the estimate)")
@@ -83,8 +84,6 @@ def run(args) -> int:
             problems.append(f"--{flag} must be a positive number of seconds, got {value}")
     if problems:
         raise ConfigError(problems)
-    import os
-
     for flag, path in (("INPUT", args.input if args.kind != "train" else None), ("--measured", args.measured),
                        ("--script", args.script)):
         if path and path != "-" and os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
@@ -92,8 +91,6 @@ def run(args) -> int:
                               "stdin)")  # opening a pipe nobody writes to would wait forever
     out = args.output or default_output(args.kind, args.input)
     flag = "-o" if args.output else "-o (default: beside INPUT)"
-    from .common import check_output_file
-
     check_output_file(out, flag, make_parents=True)
     _refuse_writing_an_input(args, out, flag)
     try:
@@ -103,9 +100,6 @@ def run(args) -> int:
                           "pass what the command printed") from None
     options = {"refresh_s": args.refresh}
     if args.measured:
-        from ..report.check import check_numbers
-        from ..report.load import check_kind
-
         measured = read_json(args.measured, "--measured")
         check_kind("profile", measured, args.measured, "--measured")
         check_numbers(measured, "profile", f"--measured {args.measured}")
@@ -120,8 +114,6 @@ def run(args) -> int:
 def _refuse_writing_an_input(args, out: str, flag: str) -> None:
     """`fitune report estimate page.html` (whose default output is page.html itself), `-o` naming INPUT,
     --measured, --script or a run's metrics.jsonl, by any path or link: refused before anything is read."""
-    from ..files import same_file
-
     inputs = [("INPUT", args.input if args.kind != "train" else None), ("--measured", args.measured),
               ("--script", args.script)]
     if args.kind == "train":
@@ -134,8 +126,6 @@ def _refuse_writing_an_input(args, out: str, flag: str) -> None:
 
 def _write(write_html, kind: str, doc, out: str, source: str, **options) -> None:
     """write_html, with any value the checks let through that the page cannot draw turned into one message."""
-    from ..errors import FituneError
-
     try:
         write_html(kind, doc, out, what="-o", **options)
     except FituneError:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 
+from ..config import ALL_KEYS, TrainConfig, config_from_dict, flat_values, train_values_from_args
 from ..errors import ConfigError
+from ..report import add_html_argument, maybe_write_html
+from ..schema import add_arguments, load_config_file, parse_yaml_value
+from .common import check_output_file
 
 DESCRIPTION = """\
 Fine-tune a causal LM (LoRA, QLoRA, full or freeze) with fitune's runner: transformers + PEFT + bitsandbytes,
@@ -55,14 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--translate", action="store_true",
                    help="CONFIG is another trainer's (Axolotl, HF Trainer / TRL, PEFT, torchtune): print it as a fitune "
                         "config, with what could not be carried over as comments, and exit (> run.yaml to keep it)")
-    from ..config import ALL_KEYS, TrainConfig, flat_values
-    from ..schema import add_arguments
-
     # One flag per config key (fitune/config.py, fitune/setup.py): --lr, --max-steps, --lora-rank, --grad-accum, ...
     add_arguments(p, ALL_KEYS, defaults=flat_values(TrainConfig()),
                   group_title="config keys (each overrides the file's value; same names as the YAML keys)")
-    from ..report import add_html_argument
-
     add_html_argument(p)
     p.set_defaults(run=run)
     return p
@@ -70,8 +70,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def parse_overrides(args) -> dict:
     """The `--set KEY=VALUE` pairs as {dotted key: YAML value}."""
-    from ..schema import parse_yaml_value
-
     out = {}
     for item in args.set:
         if "=" not in item:
@@ -85,12 +83,7 @@ def parse_overrides(args) -> dict:
 
 
 def run(args) -> int:
-    from ..config import config_from_dict, train_values_from_args
-    from ..schema import load_config_file
-
     if args.html is not None:
-        from .common import check_output_file
-
         check_output_file(args.html, "--html", make_parents=True)
     if args.config is None:
         if args.translate:
@@ -100,6 +93,7 @@ def run(args) -> int:
     else:
         doc = load_config_file(args.config)
         if args.translate:
+            # the command's library: imported when it runs, so that `fitune --help` stays light
             from ..translate import translated_yaml
 
             if not isinstance(doc, dict):
@@ -121,12 +115,11 @@ def run(args) -> int:
     if problems:
         raise ConfigError(problems)
     try:
+        # torch, transformers, datasets: optional, imported where used
         import torch  # noqa: F401
     except ImportError as exc:
         raise ConfigError("fitune train needs torch, transformers and peft (pip install 'fitune[torch]')") from exc
     from ..parallel.launch import launch, needs_launch
-    from ..report import maybe_write_html
-
     if needs_launch(cfg.setup):  # several GPUs or DeepSpeed: torchrun starts one rank per GPU (fitune/parallel)
         code = launch(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                       allow_changed=args.allow_changed)
@@ -152,10 +145,6 @@ def run(args) -> int:
 def _config_from_flags(args):
     """No CONFIG.yaml: the run from its flags (and --set) alone. A problem names the flag to give (`--model
     missing`), not a YAML key of a file that does not exist; a key given with --set keeps its dotted name."""
-    import re
-
-    from ..config import ALL_KEYS, config_from_dict, train_values_from_args
-
     overrides = parse_overrides(args)
     try:
         return config_from_dict({}, "the command line", overrides, train_values_from_args(args))

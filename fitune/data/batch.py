@@ -176,6 +176,7 @@ def collate(items: Sequence[Example | PackedSequence], pad_token_id: int | None,
     Labels are -100 on padding in both. pad_token_id None (tokenizers without a pad token, e.g. Llama 3's) pads
     with 0: padding is never attended to nor scored, so the id does not matter.
     """
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import torch
 
     if not items:

@@ -27,10 +27,14 @@ Pure Python plus the tokenizer object it is given; `load_tokenizer` imports tran
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
+import signal
+import threading
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Sequence
 
 from ..datasource import tokenizer_source_problem  # defined below the spine (fitune.config checks it)
@@ -250,6 +254,7 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
         DataError: `source` is none of those (or a Hub id that is not cached: the message gives the `hf download`
             command), transformers is not installed, or no tokenizer can be loaded from it.
     """
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from ..specs.sources import local_model
 
     source = str(source)
@@ -265,6 +270,7 @@ def load_tokenizer(source: str, trust_remote_code: bool = False, *, key: str = "
 
         announce_remote_code(source, where.folder, log)
     try:
+        # transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise DataError("tokenizing data needs transformers to load the tokenizer (pip install transformers)") from exc
@@ -295,8 +301,6 @@ TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_toke
 
 def _damaged_tokenizer_file(folder: str) -> str | None:
     """"PATH is not valid JSON (why)" for the first tokenizer file of `folder` that does not parse, else None."""
-    import json
-
     for name in TOKENIZER_JSON_FILES:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -620,9 +624,6 @@ def run_with_time_limit(fn, limit_s: float):
     previous handler is put back). Elsewhere `fn` runs in a daemon thread that is abandoned past the limit: the
     caller gets its answer in time, and the process exits on the error all the same.
     """
-    import signal
-    import threading
-
     usable = (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
               and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     if usable:
@@ -916,8 +917,6 @@ def check_first_records(path: str, fmt: str | None, *, split: str = "train", sub
             once), no record of a known format, or records among the first `limit` that lack their format's fields
             or have them of the wrong type (all of those listed).
     """
-    from itertools import islice
-
     try:
         records = Records(islice(iter_records(path, split, subset), limit), path)
     except DataError:

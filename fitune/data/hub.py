@@ -83,6 +83,7 @@ def open_hub_dataset(repo_id: str, split: str = DEFAULT_SPLIT, subset: str | Non
             set does not exist on the Hub.
     """
     try:
+        # datasets: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
         import datasets
     except ImportError:
         raise DataError(f"{repo_id}: reading a Hugging Face Hub data set needs the datasets package, which is not "

@@ -295,6 +295,7 @@ def _read_json(path: str, data: bytes) -> list[tuple[int, dict] | RecordProblem]
 
 def _iter_parquet(path: str) -> Iterator[tuple[int, dict]]:
     try:
+        # pyarrow, datasets: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(

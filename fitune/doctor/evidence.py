@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..memory import estimate
+from ..memory.weights import count_params
+from ..setup import TrainSetup
+from ..specs import load_model_spec
+from ..specs.gpu import resolve_gpu
+from ..specs.model import catalog_key_for_hub_id
 from ..units import gib
 
 HF_RECIPE = "bench/results/hf_recipe/hf_recipe.jsonl"
@@ -126,20 +132,12 @@ def _peak(case: MeasuredCase) -> str:
 @lru_cache(maxsize=64)
 def _est(model_name: str, **setup_fields):
     """fitune's estimate of one step of `model_name` with TrainSetup(**setup_fields) (tuples for list fields)."""
-    from ..memory import estimate
-    from ..setup import TrainSetup
-    from ..specs import load_model_spec
-
     return estimate(load_model_spec(model_name), TrainSetup(**setup_fields))
 
 
 @lru_cache(maxsize=256)
 def _est_setup(model_name: str, setup, gpu: str | None = None):
     """fitune's estimate of `setup` on `model_name`, with `gpu`'s cuBLAS workspaces (as `fitune doctor --gpu`)."""
-    from ..memory import estimate
-    from ..specs import load_model_spec
-    from ..specs.gpu import resolve_gpu
-
     return estimate(load_model_spec(model_name), setup, resolve_gpu(gpu) if gpu else None)
 
 
@@ -312,22 +310,15 @@ def catalog_name(model_id: str) -> str | None:
     """"meta-llama/Llama-3.1-8B-Instruct" or "llama-3.1-8b" -> the catalog name; None when not in the catalog: the
     matching `fitune estimate` uses for a Hub id that is not in the Hub cache (`fitune.specs.model.
     catalog_key_for_hub_id`: exact, then tolerant of an owner, `Meta-`, `-Instruct`, `-it`, `-bnb-4bit`, ...)."""
-    from ..specs.model import catalog_key_for_hub_id
-
     return catalog_key_for_hub_id(model_id)
 
 
 def param_count(model_name: str) -> int:
-    from ..memory.weights import count_params
-    from ..specs import load_model_spec
-
     return count_params(load_model_spec(model_name)).total
 
 
 def bias_params(model_name: str) -> int:
     """Bias parameters of the decoder's linear layers (what LoRA's bias="all" makes trainable), from the config."""
-    from ..specs import load_model_spec
-
     m = load_model_spec(model_name)
     per_kind = ((False, m.dense_layers), (True, m.moe_layers))
     return sum(lin.out_features * lin.count_per_layer * n for moe, n in per_kind for lin in m.linears(moe) if lin.bias)

@@ -26,8 +26,11 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schema import Problems, _BAD, coerce, show_int
+from ..schema import _BAD, Problems, coerce, show_int
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
+from ..specs import load_model_spec, optimizers as optimizer_specs
+from ..specs.model import model_catalog
+from ..units import gib
 from .evidence import REFERENCE_MODEL, catalog_name as catalog_model
 from .index import UNKNOWN, Call, Ref, ScriptIndex, is_unsloth_loader, tokenizer_calls
 
@@ -53,10 +56,9 @@ PEFT_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_
 """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for the catalog's families (target_modules=None)."""
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
-OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adamw", "AdamW8bit": "adamw8bit", "Adam8bit": "adamw8bit",
-                     "PagedAdamW8bit": "paged_adamw8bit", "PagedAdam8bit": "paged_adamw8bit",
-                     "Adafactor": "adafactor", "SGD": "sgd"}
-"""Optimizer classes of torch.optim, bitsandbytes.optim and transformers -> TrainSetup.optimizer."""
+OPTIMIZER_CLASSES = {cls: s.name for s in optimizer_specs.REGISTRY for cls in s.script_classes}
+"""Optimizer classes of torch.optim, bitsandbytes.optim and transformers -> TrainSetup.optimizer (the registry's
+`script_classes`)."""
 SEQ_LEN_KWARGS = ("max_length", "max_seq_length")
 
 
@@ -228,8 +230,6 @@ class _Extractor:
                 self.anchors[name] = c.line
 
         model_name, model_id = self._model(model_override)
-        from ..specs import load_model_spec
-
         spec = load_model_spec(model_name)
         self._method()
         self._lora(spec)
@@ -273,8 +273,6 @@ class _Extractor:
         kbit = self.ix.calls_named("prepare_model_for_kbit_training")
         if not kbit:
             return
-        from ..units import gib
-
         upcast = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2) * 2
         self.notes.append(f"prepare_model_for_kbit_training (line {kbit[0].line}) casts the weights bitsandbytes "
                           f"leaves in 16 bits (embeddings, lm_head, norms) to float32: about {gib(upcast)} more than "
@@ -449,8 +447,6 @@ class _Extractor:
                 self.put("dtype", d, lines, "script", f"{edit.text if edit else ast.unparse(node)}", edit)
                 self._autocast_note(d)
                 return
-        from ..specs.model import model_catalog
-
         cfg = model_catalog().get(model_name, {}).get("config", {})
         ckpt = TORCH_DTYPES.get(str(cfg.get("torch_dtype", "bfloat16")), "bf16")
         said = "dtype='auto'" if load is not None and load.kw("dtype") is not None else "no dtype"

@@ -16,13 +16,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ..errors import FituneError
 from ..memory import estimate
 from ..memory.estimate import MemoryEstimate
 from ..plan import throughput
+from ..plan.search import ADAM_FAMILY, PlanRequest, describe, plan
 from ..setup import TrainSetup
+from ..specs import load_model_spec, optimizers as optimizer_specs
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
-from ..plan.search import ADAM_FAMILY
 from .evidence import LARGE_RANK, USUAL_RANK
 from .extract import Edit, Recovered, ScriptSetup
 
@@ -96,8 +98,6 @@ class Diagnosis:
 
 def diagnose(script: ScriptSetup, gpu: GpuSpec, spec: ModelSpec | None = None) -> Diagnosis:
     """Estimate the script's setup on `gpu`; when it does not fit cleanly, rank the changes that make it fit."""
-    from ..specs import load_model_spec
-
     spec = spec or load_model_spec(script.model)
     est = estimate(spec, script.setup, gpu)
     speed = throughput.predict(spec, script.setup, gpu).tokens_per_s
@@ -236,7 +236,7 @@ def _adam8bit(ss: ScriptSetup) -> _Change:
         edits = ("the optimizer: bnb.optim.AdamW8bit(model.parameters(), lr=...) (import bitsandbytes as bnb)",)
     else:
         edits = _edit(rec, '"adamw_bnb_8bit"', "optim", ss.anchors.get("training_args"))
-    return _Change("adam8", "8-bit AdamW states", {"optimizer": "adamw8bit"}, edits, _lines(rec),
+    return _Change("adam8", optimizer_specs.get("adamw8bit").label, {"optimizer": "adamw8bit"}, edits, _lines(rec),
                    "the same Adam update with 8-bit states; needs bitsandbytes + CUDA")
 
 
@@ -344,9 +344,6 @@ def _minimal(fixes: list[Fix]) -> list[Fix]:
 # ---- fitune's runner ---------------------------------------------------------------------------------------------
 def _runner_plan(spec: ModelSpec, ss: ScriptSetup, gpu: GpuSpec, speed: float, est) -> RunnerPlan | None:
     """`fitune plan`'s best setup for the same tokens per step and adapters; None when it finds none."""
-    from ..errors import FituneError
-    from ..plan.search import PlanRequest, describe, plan
-
     s = ss.setup
     methods = {"lora": ("lora", "qlora"), "qlora": ("lora", "qlora"), "full": ("full", "lora", "qlora"),
                "freeze": ("freeze",)}[s.method]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 
+from ..files import write_text_atomic
+from ..report import render_html
+from .evidence import retries_verdict_evidence
+
 
 def page_document(report, doc: dict) -> dict:
     """`doc` (the `--json` document of a `ScriptReport`, already located in cells for a notebook) with what the page
     shows beside it: `source` or `cells`, `setup.why`, `verdict_note` (see `fitune.report.doctor.as_doc`)."""
-    from .evidence import retries_verdict_evidence
-
     src = report.source
     notebook = src.notebook if src is not None else None
     page = dict(doc, script=report.path)
@@ -35,15 +37,11 @@ def page_document(report, doc: dict) -> dict:
 
 def script_page(report, doc: dict) -> str:
     """The page for a `ScriptReport` and its `--json` document `doc` (already located in cells for a notebook)."""
-    from ..report import render_html
-
     return render_html("doctor", page_document(report, doc))
 
 
 def write_script_page(path: str, report, doc: dict) -> str:
     """Write the page to `path`, replacing the file whole (a browser reloading it never sees half a page)."""
-    from ..files import write_text_atomic
-
     text = script_page(report, doc)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_text_atomic(path, text, what="--html")  # a fresh temp file in the folder, never a link or a device

@@ -6,6 +6,8 @@ import textwrap
 from dataclasses import dataclass
 
 from ..report.doctor import FIELD_LABELS, LORA_FIELDS  # the setup's fields and labels, one list for text and page
+from ..units import gib
+from .evidence import retries_verdict_evidence
 from .findings import SEVERITIES, Finding, sort_findings
 
 WIDTH = 110
@@ -153,16 +155,12 @@ def _short(text: str, width: int = 60) -> str:
 def format_fixes(diagnosis, notebook=None) -> str:
     """The fixes, ranked, each with its lines to change, memory and predicted speed; then fitune plan's best.
     `notebook`: the Notebook the script was read from (lines are then written as cells and lines)."""
-    from ..units import gib
-
     relabel = notebook.relabel if notebook is not None else (lambda text: text)
 
     est = diagnosis.estimate
     gpu = est.gpu
     lines = []
     if est.fits and est.retries_expected:
-        from .evidence import retries_verdict_evidence
-
         lines += [_wrap(retries_verdict_evidence(gpu.name), "", "  "), ""]
     if diagnosis.needs_fix:
         if diagnosis.fixes:

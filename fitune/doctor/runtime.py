@@ -27,8 +27,10 @@ from typing import Callable
 
 import torch
 
+from ..memory import estimate
 from ..runtime.layers import find_decoder_layers
 from ..runtime.oom import is_oom
+from ..specs import load_model_spec
 from ..units import MiB, gib, human_bytes
 from .findings import ERROR, WARNING, Finding, sort_findings
 
@@ -304,8 +306,6 @@ class RunMonitor:
             try:
                 extra = {}
                 if self._setup is not None and self._model_name:
-                    from ..specs import load_model_spec
-
                     extra = {"setup": self._setup, "model_spec": load_model_spec(self._model_name)}
                 text = format_report(report_oom(exc, model=self.model, **extra))  # report_oom prints it too
             except Exception as inner:  # the post-mortem must not hide the OOM: fall back below
@@ -505,9 +505,6 @@ class RunMonitor:
     # ---- helpers -------------------------------------------------------------------------------------------------
     def _estimate_phases(self) -> dict[str, int] | None:
         if self._estimate is None and self._setup is not None and self._model_name:
-            from ..memory import estimate
-            from ..specs import load_model_spec
-
             self._estimate = estimate(load_model_spec(self._model_name), self._setup)
         if self._estimate is None:
             return None

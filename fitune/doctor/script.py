@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
+import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,9 +85,6 @@ def index_source(source: str, filename: str = "<script>", setup_overrides: dict 
 def _too_long_literal(source: str) -> tuple[int, int] | None:
     """(line, digits) of the first integer literal longer than Python converts (sys.get_int_max_str_digits(): the
     ValueError ast.parse raises for it names neither), or None."""
-    import re
-    import sys
-
     limit = sys.get_int_max_str_digits()
     for m in re.finditer(r"(?<![\w.])[0-9][0-9_]{%d,}" % limit, source):
         digits = len(m.group(0).replace("_", ""))
@@ -96,8 +96,6 @@ def _too_long_literal(source: str) -> tuple[int, int] | None:
 def _unprintable_literal(tree: ast.AST) -> tuple[int, int] | None:
     """(line, digits) of an integer literal that str() refuses (more than sys.get_int_max_str_digits() digits once
     written in decimal: a hexadecimal literal gets there), or None."""
-    import sys
-
     for node in ast.walk(tree):
         value = getattr(node, "value", None) if isinstance(node, ast.Constant) else None
         if isinstance(value, int) and value.bit_length() > 14_000 and int_digits(value) > sys.get_int_max_str_digits():
@@ -131,6 +129,7 @@ def diagnose_script(path: str, gpu: "GpuSpec", setup_overrides: dict | None = No
         ScriptError: the file cannot be read or parsed.
         ConfigError / UnknownModelError: the setup (with the overrides) is not one fitune can estimate.
     """
+    # the command's library: imported when it runs, so that `fitune --help` stays light
     from .fixes import diagnose
 
     src = read_source(path)
@@ -150,8 +149,6 @@ def relabel_findings(findings: list[Finding], notebook: Notebook | None) -> list
     `line` stays the line of the joined source (sorting and the JSON's `cell` are made from it)."""
     if notebook is None:
         return findings
-    import dataclasses
-
     return [dataclasses.replace(f, message=notebook.relabel(f.message), fix=notebook.relabel(f.fix),
                                 evidence=notebook.relabel(f.evidence)) for f in findings]
 

@@ -27,15 +27,17 @@ Other tokenizers (a tokenizer.model without tokenizer.json, Unigram, WordPiece) 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import FituneError
-from ..files import check_regular, open_regular
+from ..files import atomic_writer, check_regular, check_target, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +176,6 @@ def check_output_path(out_path: str, overwrite: bool) -> None:
     """Raise ExportError when `out_path` cannot be written: a folder, an existing file without `overwrite`, a
     missing parent folder; and UnsafeFileError (even with `overwrite`) when a symbolic link, FIFO, socket or
     device is in its place."""
-    from ..files import check_target
-
     if os.path.isdir(out_path) and not os.path.islink(out_path):
         raise ExportError(f"--out {out_path} is a folder; give the file to write, e.g. {out_path}/model.gguf")
     check_target(out_path, "--out")
@@ -253,6 +253,7 @@ def _hyperparameters(config: dict, folder: str) -> dict:
 
 def _weight_files(folder: str) -> dict[str, str]:
     """{tensor name: safetensors file} from model.safetensors(.index.json) or model-*.safetensors shards."""
+    # safetensors, gguf, transformers, numpy, torch: optional, imported where used
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -348,9 +349,6 @@ def _gguf_order(t: _Tensor) -> tuple:
 
 def _read_vocab(folder: str, vocab_size: int) -> _Vocab:
     """Tokens, token types, merges, special ids, chat template (`get_vocab_base`, `_set_vocab_gpt2`)."""
-    import hashlib
-    from pathlib import Path
-
     import gguf
     from transformers import AutoTokenizer
 
@@ -453,8 +451,6 @@ def _read_llama_vocab(folder: str, spec: dict, vocab_size: int) -> _Vocab:
       tokenizer.json; tokens no merge makes score 0 (bytes, control tokens, single characters: never a join's result);
     - the unk token is UNKNOWN (a SentencePiece model's type for it), not CONTROL.
     """
-    from pathlib import Path
-
     import gguf
     from transformers import AutoTokenizer
 
@@ -562,8 +558,6 @@ def _write(out_path: str, arch: str, hp: dict, vocab: _Vocab, tensors: list[_Ten
             dtype = np.dtype(np.float16 if t.ggml_type == "F16" else np.float32)
             writer.add_tensor_info(t.name, t.shape, dtype, math.prod(t.shape) * dtype.itemsize)
     metadata_keys = sorted(writer.kv_data[0])
-
-    from ..files import atomic_writer
 
     try:  # a temporary file beside out_path (O_EXCL, never a link), renamed over it once complete
         with atomic_writer(out_path, what="--out") as f:

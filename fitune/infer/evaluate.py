@@ -12,9 +12,12 @@ tokens, not over batches, so the batch size does not change the answer.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .. import data as data_mod
+from ..errors import ConfigError
 from .load import RunInfo
 
 DEFAULT_SEQ_LEN_TOKENS = 2048
@@ -58,10 +61,9 @@ def evaluate(model, tokenizer, path: str, *, seq_len_tokens: int, data_format: s
     Raises:
         DataError / ConfigError: the file cannot be read or encoded, or has nothing to score.
     """
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import torch
 
-    from .. import data as data_mod
-    from ..errors import ConfigError
     from ..runtime.step import forward_loss
 
     if batch_size < 1:
@@ -95,8 +97,6 @@ def lm_eval_command(info: RunInfo, tasks: str = LM_EVAL_TASKS, device: str = "cu
     Full weights: `pretrained=DIR`; an adapter: `pretrained=BASE,peft=ADAPTER` (lm-eval's HFLM loads it with PEFT);
     a .gguf base: its folder with `gguf_file=NAME`. A checkpoint cannot be given to lm-eval: the command names the
     run's adapter/ that the run writes at its end."""
-    import os
-
     def model_args(source: str) -> str:
         if source.endswith(".gguf"):
             folder, name = os.path.split(os.path.abspath(source))

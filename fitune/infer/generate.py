@@ -116,6 +116,7 @@ def iter_generate(model, tokenizer, prompts: Sequence, settings: GenerationSetti
                   raw: bool = False, batch_size: int = 8) -> Iterator[Generation]:
     """The responses to `prompts` in order, yielded a batch at a time (`batch_size` prompts, left padding: every
     prompt ends where generation starts)."""
+    # torch, transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
 
     settings.validate()

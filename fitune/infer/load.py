@@ -20,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 
 from ..errors import FituneError
-from ..files import open_regular
+from ..files import check_regular, open_regular
+from ..train.checkpoint import latest, read_state
 
 RUN_FILE = "run.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -162,8 +164,6 @@ def _describe_checkpoint(root: str, checkpoint: str, config: dict, common: dict,
             raise RunLoadError(f"--checkpoint {checkpoint}: no such folder (nor {guess}); the run's checkpoints: "
                                f"{', '.join(_checkpoint_names(root)) or 'none'}")
         checkpoint = guess
-    from ..train.checkpoint import read_state
-
     read_state(checkpoint)  # CheckpointError (a FituneError) for a folder that is not a complete checkpoint
     if not os.path.isfile(os.path.join(checkpoint, "trainable.safetensors")):
         raise RunLoadError(f"--checkpoint {checkpoint} has no trainable.safetensors (a sharded checkpoint of a "
@@ -302,8 +302,6 @@ def _live_pid(root: str) -> int | None:
         with open_regular(os.path.join(root, "fitune.lock"), what="the run's") as f:
             holder = json.loads(f.read() or "{}")
         pid = int(holder["pid"])
-        import socket
-
         if holder.get("host") not in (None, socket.gethostname()):
             return None
         os.kill(pid, 0)
@@ -314,8 +312,6 @@ def _live_pid(root: str) -> int | None:
 
 def _no_weights_message(root: str, config: dict, wanted: str) -> str:
     """A run without its end-of-run weights: still going, or interrupted; the newest checkpoint and how to use it."""
-    from ..train.checkpoint import latest
-
     pid = _live_pid(root)
     state = f"the run is still going (pid {pid})" if pid else "the run was interrupted or has not finished"
     newest = latest(root)
@@ -373,6 +369,7 @@ def load_run(run_dir: str, *, merged: bool | None = None, device: str = "cpu", d
     info = describe_folder(run_dir, merged=merged, checkpoint=checkpoint)
     for folder in {info.weights_dir, info.tokenizer_dir, info.base_model}:
         _check_files_are_regular(folder)
+    # torch, peft, safetensors: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     from ..runtime.model import build_model, load_tokenizer
 
     name = dtype_name(dtype) if dtype is not None else info.dtype
@@ -404,8 +401,6 @@ def load_run(run_dir: str, *, merged: bool | None = None, device: str = "cpu", d
 def _check_files_are_regular(folder: str | None) -> None:
     """Refuse a FIFO, socket or device among a local folder's files before transformers, PEFT or safetensors open
     them by name (a FIFO would block the load forever)."""
-    from ..files import check_regular
-
     if not folder or not os.path.isdir(folder):
         return  # a Hub id or a .gguf file: build_model reads it
     for name in sorted(os.listdir(folder)):

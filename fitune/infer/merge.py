@@ -20,7 +20,10 @@ import contextlib
 import os
 import sys
 
+from ..files import atomic_folder, check_folder_target
+from ..runtime.device import torch_dtype
 from .load import RunInfo, RunLoadError, describe_folder, dtype_name
+from .load import RUN_FILE, _read_run_config, _with_checkpoint, load_run
 
 QLORA_NOTE = ("QLoRA: the base's NF4 (4-bit) weights were dequantized to bf16 and the adapter merged into them, so the "
               "merged model computes what the trained QLoRA model computed (not the original bf16 base + adapter); it "
@@ -38,8 +41,6 @@ def check_out_dir(out_dir: str) -> None:
     if not out_dir or not out_dir.strip():
         raise MergeError(f"--out needs a folder name, got {out_dir!r}")
     if os.path.lexists(out_dir) and (os.path.islink(out_dir) or not os.path.isdir(out_dir)):
-        from ..files import check_folder_target
-
         check_folder_target(out_dir, "--out")  # a link, a file, a FIFO, a device: named as such
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         names = sorted(os.listdir(out_dir))
@@ -70,8 +71,6 @@ def mergeable(run_dir: str, checkpoint: str | None = None) -> RunInfo:
 
 
 def _is_lora_run(run_dir: str) -> bool:
-    from .load import RUN_FILE, _read_run_config
-
     if not os.path.isfile(os.path.join(run_dir, RUN_FILE)):
         return os.path.isfile(os.path.join(run_dir, "adapter_config.json"))
     return str(_read_run_config(run_dir).get("method") or "lora") in ("lora", "qlora")
@@ -102,6 +101,7 @@ def merge_run(run_dir: str, out_dir: str, *, dtype: str | None = None, max_shard
 
 def _merge(run_dir: str, out_dir: str, info: RunInfo, name: str, max_shard_size: str, device: str | None,
            checkpoint: str | None) -> str:
+    # torch, peft, bitsandbytes: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
 
     if info.method == "qlora":
@@ -112,8 +112,6 @@ def _merge(run_dir: str, out_dir: str, info: RunInfo, name: str, max_shard_size:
                              "The adapter itself loads on the CPU (`fitune chat` / `generate` over a bf16 base)")
         model = _qlora_merged(info, name)
     else:
-        from .load import load_run
-
         model, _, info = load_run(run_dir, merged=None if checkpoint else False, device=device or "cpu",
                                   dtype=name, checkpoint=checkpoint)
         model = model.merge_and_unload()
@@ -129,7 +127,6 @@ def _qlora_merged(info: RunInfo, name: str):
     dequantized weights (in `name`), then the adapter loaded and merged."""
     from peft import PeftModel
 
-    from ..runtime.device import torch_dtype
     from ..runtime.model import build_model
 
     base = build_model(info.base_model, dtype_name="bf16", device="cuda", quantize="nf4", init="pretrained",
@@ -144,8 +141,6 @@ def _qlora_merged(info: RunInfo, name: str):
     if info.weights == "adapter":
         model = PeftModel.from_pretrained(base, info.weights_dir)
     else:
-        from .load import _with_checkpoint
-
         model = _with_checkpoint(base, info)
     return model.merge_and_unload()
 
@@ -177,9 +172,6 @@ def _write(model, tokenizer, out_dir: str, name: str, max_shard_size: str) -> No
     """The merged model into a fresh temporary folder beside `out_dir` (mkdtemp: an unpredictable name no planted
     link can take), then renamed to `out_dir` (an empty `out_dir` is replaced; a link or anything else refused)."""
     import torch
-
-    from ..files import atomic_folder
-    from ..runtime.device import torch_dtype
 
     try:
         with atomic_folder(out_dir, what="--out") as tmp:

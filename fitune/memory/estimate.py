@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
+from ..specs import optimizers as optimizer_specs
 from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, parallel as parallel_terms, weights
 from ..units import GiB
 from .allocator import replay_reserved
@@ -202,8 +203,8 @@ def _resident_terms(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None, de
                      "on the GPU (fitune train refuses the option for it)")
     adapter_bytes = trainable_bytes if setup.method in ("lora", "qlora") else 0
     state_bytes = _optimizer_state_bytes(model, setup, trainable_bytes)
-    if setup.optimizer == "paged_adamw8bit":
-        notes.append(f"paged_adamw8bit keeps its {state_bytes / GiB:.2f} GiB of state in CUDA managed memory, "
+    if not optimizer_specs.get(setup.optimizer).in_allocator:
+        notes.append(f"{setup.optimizer} keeps its {state_bytes / GiB:.2f} GiB of state in CUDA managed memory, "
                      "outside PyTorch's allocator (not in the peaks); it pages to CPU under pressure")
         state_bytes_allocator = 0
     else:
@@ -377,16 +378,17 @@ def _record_optimizer_step(tape: Tape, ag: Autograd, model: ModelSpec, setup: Tr
     """One GPU: the optimizer step's temporaries (optimizer.py), then `zero_grad(set_to_none=True)`."""
     largest, per = _largest_trainable(model, setup)
     step_bytes = opt_terms.optimizer_step_transient_bytes(setup.optimizer, trainable_bytes, largest, per)
-    if setup.optimizer == "adafactor" and setup.method in ("full", "freeze"):
+    layout = optimizer_specs.get(setup.optimizer).step_layout
+    if layout == "per_tensor" and setup.method in ("full", "freeze"):
         # one parameter at a time: its fp32 copies, freed before the next parameter's
-        copies = opt_terms.adafactor_step_transient_bytes(1, per) // 4
+        copies = opt_terms.optimizer_step_transient_bytes(setup.optimizer, 0, 1, per) // 4
         for n in _numels(adapters.trainable_tensor_shapes(model, setup)):
             tape.free(*[tape.alloc(4 * n, TRANSIENTS, "optimizer step") for _ in range(copies)])
         sizes = []
-    elif setup.optimizer == "adafactor" and largest:
+    elif layout == "per_tensor" and largest:
         # separate fp32 copies of one tensor (the allocator places each on its own)
         sizes = [4 * largest] * (step_bytes // (4 * largest))
-    elif setup.optimizer == "adamw" and setup.method in ("full", "freeze"):
+    elif layout == "foreach" and setup.method in ("full", "freeze"):
         # the foreach step's temporaries (`torch._foreach_sqrt(exp_avg_sqs)`) are one tensor per parameter
         sizes = [n * per for n in _numels(adapters.trainable_tensor_shapes(model, setup))]
     else:
@@ -551,18 +553,18 @@ def _optimizer_state_bytes(model: ModelSpec, setup: TrainSetup, trainable_bytes:
             for lin in model.linears(moe):
                 if lin.name in targets:
                     numels += [setup.lora_rank * lin.in_features, setup.lora_rank * lin.out_features] * n_layers
-        if setup.optimizer == "adafactor":
+        if optimizer_specs.get(setup.optimizer).factored:
             shapes = []
             for moe, n_layers in ((False, model.dense_layers), (True, model.moe_layers)):
                 for lin in model.linears(moe):
                     if lin.name in targets:
                         shapes += [(setup.lora_rank, lin.in_features), (lin.out_features, setup.lora_rank)] * n_layers
-            return opt_terms.adafactor_state_bytes(shapes)
+            return opt_terms.state_bytes_of_shapes(setup.optimizer, shapes, adapters.LORA_PARAM_BYTES)
         return opt_terms.optimizer_state_bytes(setup.optimizer, numels, adapters.LORA_PARAM_BYTES)
     n = adapters.trainable_param_count(model, setup)
     per = weights.DTYPE_BYTES[setup.dtype]
-    if setup.optimizer == "adafactor":
-        return opt_terms.adafactor_state_bytes(adapters.trainable_tensor_shapes(model, setup))
+    if optimizer_specs.get(setup.optimizer).factored:
+        return opt_terms.state_bytes_of_shapes(setup.optimizer, adapters.trainable_tensor_shapes(model, setup), per)
     return opt_terms.optimizer_state_bytes(setup.optimizer, [n], per)
 
 

@@ -46,7 +46,7 @@ from ..specs.model import ModelSpec
 from ..units import MiB
 from . import weights
 from .allocator import EMPTY_CACHE
-from .optimizer import optimizer_state_bytes, optimizer_step_transient_bytes, state_tensor_bytes
+from .optimizer import flat_state_bytes, optimizer_step_transient_bytes, state_tensor_bytes
 from .tape import ADAPTERS, GRADIENTS, OPTIMIZER, TRANSIENTS, WEIGHTS, Tape
 
 GATHERED = "gathered_weights"
@@ -143,22 +143,17 @@ def fsdp_root_gathered_bytes(model: ModelSpec, param_bytes: int) -> int:
     return (counts.embedding + counts.lm_head + counts.final_norm) * param_bytes
 
 
-def zero_optimizer_state_bytes(optimizer: str, trainable_params: int, num_gpus: int) -> int:
+def zero_optimizer_state_bytes(optimizer: str, trainable_params: int, num_gpus: int, on_host: bool = False) -> int:
     """One rank's ZeRO optimizer partition: the fp32 master copy plus the optimizer's state at fp32, over N.
 
     Formula: ceil(n / N) x (4 + state bytes per element); adamw: 4 + 8 = 12 = the ZeRO paper's K
     (Rajbhandari et al. 2019, arXiv:1910.02054, section 3.1 and 5: "ZeRO-DP ... K = 12"). The partition is one flat
     tensor, so Adafactor keeps an unfactored fp32 second moment (4 bytes). Paged 8-bit states live in managed
-    memory, outside the allocator (the master copy does not).
+    memory, outside the allocator (the master copy does not); `on_host` (ZeRO-Offload) counts them: on the CPU
+    nothing is paged.
     """
     n = sharded(trainable_params, num_gpus)
-    if optimizer == "adafactor":
-        state = 4 * n
-    elif optimizer == "paged_adamw8bit":
-        state = 0
-    else:
-        state = optimizer_state_bytes(optimizer, [n], 4)
-    return ZERO_MASTER_BYTES * n + state
+    return ZERO_MASTER_BYTES * n + flat_state_bytes(optimizer, n, allocator_only=not on_host)
 
 
 def zero_reduce_bucket_bytes(strategy: str, grad_bytes_per_element: int) -> int:
@@ -334,10 +329,9 @@ def zero_offload_host_bytes(param_bytes: int, trainable_params: int, optimizer: 
     Source: ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840) section 4.1; DeepSpeed config docs, "offload_param",
     "offload_optimizer".
     """
-    opt = "adamw8bit" if optimizer == "paged_adamw8bit" else optimizer
     return {
         WEIGHTS: sharded(param_bytes, num_gpus),
-        OPTIMIZER: zero_optimizer_state_bytes(opt, trainable_params, num_gpus),
+        OPTIMIZER: zero_optimizer_state_bytes(optimizer, trainable_params, num_gpus, on_host=True),
         GRADIENTS: OFFLOAD_HOST_GRAD_BYTES * sharded(trainable_params, num_gpus),
     }
 

@@ -18,7 +18,8 @@ import dataclasses
 import json
 import os
 
-from . import ranks as ranks_mod
+from . import ZERO_STRATEGIES, ranks as ranks_mod
+from .deepspeed_engine import full_state_dict as zero3_state_dict
 
 SHARDED_DIR = "sharded"
 GROUPS_FILE = "optimizer-groups.json"
@@ -30,6 +31,7 @@ def is_sharded(path: str) -> bool:
 
 
 def _options():
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # frozen base weights are the model's, not the run's: only trainable parameters are saved (as the DDP and
@@ -102,13 +104,9 @@ def load_sharded(folder: str, model, optimizer) -> None:
 def full_state_dict(model, strategy: str) -> dict | None:
     """Every rank calls it; rank 0 gets the whole (unsharded) state dict on the CPU (writing the adapter / model of
     a sharded run from rank 0). None when the parameters are whole on every rank (one process, DDP, ZeRO-2)."""
-    from . import ZERO_STRATEGIES
-
     if not ranks_mod.current().distributed:
         return None
     if strategy in ZERO_STRATEGIES:
-        from .deepspeed_engine import full_state_dict as zero3_state_dict
-
         return zero3_state_dict(model)
     if strategy != "fsdp":
         return None
@@ -121,8 +119,6 @@ def save_on_ranks(save, model, optimizer, sharded: bool, strategy: str = "ddp"):
     """Rank 0 runs `save(writer)` (fitune.train.checkpoint.save: the .tmp folder, the shared files, the rename);
     with `sharded`, `writer(tmp)` has every rank write its shards into `tmp` first. Returns the checkpoint's path
     on every rank; None for a ZeRO run, which writes none (fitune/parallel/deepspeed_engine.py)."""
-    from . import ZERO_STRATEGIES
-
     if strategy in ZERO_STRATEGIES:
         return None
     if not sharded:  # DDP / one process: the weights are the same on every rank, rank 0 writes them

@@ -26,6 +26,10 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from ..errors import ConfigError
+from .deepspeed_config import deepspeed_config
+from .ranks import current, world_size
+
 log = logging.getLogger(__name__)
 
 ZERO3_STRATEGIES = ("zero3", "zero3_offload")
@@ -42,9 +46,6 @@ weak reference to it (`is_deepspeed_zero3_enabled`), so this module holds the ob
 def _ds_config(s, cfg) -> dict:
     """The one DeepSpeed config of the run: zero.Init at construction and `deepspeed.initialize` must agree on it
     (stage, offload device, dtype)."""
-    from .deepspeed_config import deepspeed_config
-    from .ranks import world_size
-
     return deepspeed_config(s, world_size(), cfg.max_grad_norm)
 
 
@@ -66,20 +67,17 @@ def construction_context(s, cfg) -> Iterator[None]:
     Raises:
         ConfigError: transformers cannot register the config (accelerate missing): says what to install.
     """
-    from .ranks import current
-
     release()
     if s.strategy not in ZERO3_STRATEGIES or not current().distributed:
         yield
         return
     global _HF_DS_CONFIG
     try:
+        # transformers, torch, deepspeed: optional, imported where used
         from transformers.integrations import HfDeepSpeedConfig
 
         _HF_DS_CONFIG = HfDeepSpeedConfig(_ds_config(s, cfg))
     except (ImportError, TypeError) as exc:  # no accelerate: HfDeepSpeedConfig is a bare object, or the check fails
-        from ..errors import ConfigError
-
         raise ConfigError(f"strategy {s.strategy}: transformers cannot build the model partitioned (ZeRO-3 "
                           f"construction needs accelerate: pip install accelerate; {exc})") from exc
     log.info("deepspeed: the model is built under zero.Init (ZeRO-3: each parameter partitioned as it is created)")
@@ -140,8 +138,6 @@ def initialize(engine, optimizer, s, cfg) -> ZeroOptimizer:
     becomes DeepSpeed's engine (its forward runs LossForward's)."""
     global _ENGINE
     import deepspeed
-
-    from .ranks import world_size
 
     config = _ds_config(s, cfg)
     params = list(engine.step_model.parameters())

@@ -16,25 +16,27 @@ together, and the parent returns the ranks' exit code.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
 import sys
 import tempfile
+import uuid
 
 from ..errors import ConfigError
 from . import CPU_RANKS_ENV, ZERO_STRATEGIES
+from .ranks import launched
 
 
 def needs_launch(s) -> bool:
     """Whether `fitune train` runs this setup as torchrun ranks: several GPUs, or DeepSpeed (even on one GPU:
     zero3_offload puts parameters and optimizer state in CPU memory)."""
-    from .ranks import launched
-
     return not launched() and (s.num_gpus > 1 or s.strategy in ZERO_STRATEGIES)
 
 
 def visible_gpus() -> int:
     """CUDA GPUs this process sees (CUDA_VISIBLE_DEVICES applied)."""
+    # torch, yaml: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -90,9 +92,6 @@ def launch(cfg, resume: bool = False, overwrite: bool = False, progress: bool = 
     """Run `cfg` as `cfg.setup.num_gpus` ranks with torchrun's launcher (in this process, as `command` would in a
     subprocess); returns 0, or the exit code of the first rank that failed (2: a config / checkpoint error,
     130: interrupted, after its checkpoint)."""
-    import logging
-    import uuid
-
     import yaml
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -61,6 +62,7 @@ def start(num_gpus: int, strategy: str) -> Ranks:
                               "one process")
         _CURRENT = Ranks()
         return _CURRENT
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import torch
     import torch.distributed as dist
 
@@ -178,8 +180,6 @@ def exit_process(code: int) -> None:
     left its process group: it leaves without the interpreter's teardown, where gloo's worker threads can still hold
     tensors and abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch PR
     179291 describes it). Anything else exits normally."""
-    import sys
-
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_RANK") is not None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..runtime.device import torch_dtype
 from . import ZERO_STRATEGIES
+from .deepspeed_engine import initialize
 from .ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class LossForward(torch.nn.Module):
         self.loss_name = loss
 
     def forward(self, input_ids, labels, num_items_in_batch=None, **inputs):
+        # transformers, torch: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
         from transformers.modeling_outputs import CausalLMOutput
 
         if self.loss_name == "chunked":  # the decoder, then the loss a chunk of tokens at a time through lm_head
@@ -117,7 +120,6 @@ def _fully_shard(step: LossForward, model, s, ranks: Ranks) -> None:
     freed after), then the root (embeddings, final norm, lm_head and LoRA outside the layers)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..runtime.device import torch_dtype
     from ..runtime.layers import find_decoder_layers
 
     layers = find_decoder_layers(model)
@@ -139,8 +141,6 @@ def attach_optimizer(engine: Engine, optimizer, s, cfg) -> Any:
     is created here, with the config `deepspeed_config` writes)."""
     if engine.strategy not in ZERO_STRATEGIES:
         return optimizer
-    from .deepspeed_engine import initialize
-
     return initialize(engine, optimizer, s, cfg)
 
 

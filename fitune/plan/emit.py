@@ -15,6 +15,7 @@ import os
 import re
 
 from ..setup import TrainSetup
+from ..specs import optimizers as optimizer_specs
 from ..units import GiB
 from .search import Plan, PlanRequest, describe
 
@@ -26,8 +27,7 @@ FULL_LR = 1.0e-5
 PLACEHOLDER_DATA = "train.jsonl"
 
 #: fitune optimizer names -> transformers' TrainingArguments(optim=...) names.
-HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit",
-            "adafactor": "adafactor", "sgd": "sgd"}
+HF_OPTIM = {s.name: s.hf_optim for s in optimizer_specs.REGISTRY}
 HF_ATTN = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
 
 _YAML_ORDER = ("model", "init", "tokenizer", "data", "method", "lora", "freeze_trainable_layers", "dtype", "seq_len",

@@ -47,17 +47,19 @@ from ..setup import DEFAULT_SETUP, TrainSetup
 from .measured import unmeasured_reasons
 from ..specs.gpu import GpuSpec, catalog_gpu_names, resolve_gpu
 from ..specs.model import ModelSpec
+from ..specs import optimizers as optimizer_specs
 from ..units import GiB
 from . import throughput
 from .data import DataProfile, batching, packing_pays
 from .fast import FastEstimate, FastEstimator
 
-#: Optimizers in order of preference: the first three make the same Adam update (8-bit states quantise it);
-#: adafactor and sgd change the training, so they rank after every Adam plan.
-OPTIMIZER_PREFERENCE = ("adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "sgd")
-ADAM_FAMILY = ("adamw", "adamw8bit", "paged_adamw8bit")
+#: Optimizers in order of preference (the registry's order, fitune/specs/optimizers.py): the Adam family first
+#: (the same update; 8-bit states quantise it); adafactor and sgd change the training, so they rank after every
+#: Adam plan.
+OPTIMIZER_PREFERENCE = optimizer_specs.preference()
+ADAM_FAMILY = optimizer_specs.adam_family()
 #: Optimizers from lightest to heaviest state in PyTorch's allocator (paged states live in managed memory).
-OPTIMIZER_BY_MEMORY = ("sgd", "paged_adamw8bit", "adafactor", "adamw8bit", "adamw")
+OPTIMIZER_BY_MEMORY = optimizer_specs.by_allocator_memory()
 #: Checkpointing modes the search ranks. offload comes with the tiled MLP (the long-context setup of
 #: bench/max_context.py); it ranks after full checkpointing (same predicted compute plus the tiled MLP's
 #: recomputation), so it is chosen when nothing lighter fits. selective:K is not searched yet.
@@ -835,10 +837,8 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
                    f"{loss}; the first step pays the compilation)")
     if s.expandable_segments:
         out.append("expandable segments in PyTorch's allocator (little fragmentation)")
-    if s.optimizer != "adamw":
-        out.append({"adamw8bit": "8-bit AdamW states", "paged_adamw8bit": "paged 8-bit AdamW states (managed memory)",
-                    "adafactor": "Adafactor (factored second moment; changes the update)",
-                    "sgd": "SGD without momentum (no state; changes the update)"}[s.optimizer])
+    if s.optimizer != OPTIMIZER_PREFERENCE[0]:  # the default optimizer turns nothing on
+        out.append(optimizer_specs.get(s.optimizer).label)
     if packing:
         out.append("packing (short examples share rows)")
     if s.num_gpus > 1 or s.strategy != "ddp":
@@ -859,7 +859,7 @@ STRATEGY_LABELS = {
 def requirements(s: TrainSetup) -> list[str]:
     """What a setup needs beyond torch + transformers + peft."""
     out = []
-    if s.method == "qlora" or s.optimizer in ("adamw8bit", "paged_adamw8bit"):
+    if s.method == "qlora" or "bitsandbytes" in optimizer_specs.get(s.optimizer).packages:
         out.append("bitsandbytes + a CUDA GPU")
     if s.attn == "flash":
         out.append("flash-attn")

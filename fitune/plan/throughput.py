@@ -49,6 +49,7 @@ from ..perf.flops import forward_flops_per_token
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec, gpu_catalog
 from ..specs.model import ModelSpec
+from ..specs import optimizers as optimizer_specs
 
 #: The calibration GPU: the bench ran on an H200; its catalog entry gives the peak and bandwidth of the fit.
 CALIBRATION_GPU = "h200"
@@ -263,11 +264,15 @@ def optimizer_step_bytes(model: ModelSpec, setup: TrainSetup) -> float:
     """Bytes the optimizer step reads and writes (physical count, uncalibrated).
 
     Per trainable parameter: the weight and gradient read, the weight written, plus state: adamw 2 fp32 states
-    read and written (16 B), 8-bit AdamW 4 B, adafactor ~4 B, sgd 0. LoRA weights are fp32 (PEFT).
+    read and written (16 B), 8-bit AdamW 4 B, adafactor ~4 B, sgd 0 (each optimizer's registry entry,
+    `step_state_bytes_per_param`). LoRA weights are fp32 (PEFT).
+
+    Raises:
+        ConfigError: an optimizer the registry does not know (no default is assumed).
     """
     n = adapter_terms.trainable_param_count(model, setup)
     p = adapter_terms.LORA_PARAM_BYTES if setup.method in ("lora", "qlora") else weight_terms.DTYPE_BYTES[setup.dtype]
-    state = {"adamw": 16, "adamw8bit": 4, "paged_adamw8bit": 4, "adafactor": 4, "sgd": 0}.get(setup.optimizer, 16)
+    state = optimizer_specs.get(setup.optimizer).step_state_bytes_per_param
     grad_accumulate = 2 * p if setup.method in ("full", "freeze") and setup.grad_accum > 1 else 0
     return float(n * (3 * p + state + grad_accumulate))
 

@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass
 
 from ..memory import estimate
+from ..plan.measured import ALLOCATED_LIMIT_PCT, MEASURED_PATH, RESERVED_LIMIT_PCT, evidence_of
 from ..setup import TrainSetup
 from ..specs.gpu import resolve_gpu
 from ..specs.model import load_model_spec
@@ -75,8 +78,6 @@ def _label(model: str, s: TrainSetup) -> str:
 def compare_profiles(path: str, gpu: str = "h200", root: str = ".") -> list[AccuracyRow]:
     """The same comparison for `fitune profile --json` records (bench/options.sh lines: the profile object plus
     `model_arg`, the MODEL argument it was given, a catalog name or a config.json path relative to `root`)."""
-    import os
-
     rows = []
     g = resolve_gpu(gpu)
     with open(path, encoding="utf-8") as f:
@@ -177,9 +178,6 @@ SOURCES = (
 
 
 def _rows_by_source(root: str) -> list[tuple[str, list[AccuracyRow]]]:
-    import dataclasses
-    import os
-
     readers = {"profile": lambda p: compare_profiles(p, root=root), "recipe": compare, "setup": compare_setups,
                "context": compare_context}
     # the compiled-layer runs (compile: layers) are in-sample whatever their file: the estimator's model of the
@@ -197,8 +195,6 @@ def measured_rows(root: str = ".") -> list[AccuracyRow]:
 
 def measured_evidence(root: str = ".") -> dict:
     """The content of fitune/specs/data/measured.json (see fitune/plan/measured.py)."""
-    from ..plan.measured import ALLOCATED_LIMIT_PCT, RESERVED_LIMIT_PCT, evidence_of
-
     cases = [(r.setup, r.model_type, r.allocated_error_pct, r.reserved_error_pct, rel)
              for rel, rows in _rows_by_source(root) for r in rows]
     return {"about": "written by `python -m fitune.profile.accuracy --write-measured` from the GPU records under "
@@ -210,8 +206,6 @@ def measured_evidence(root: str = ".") -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--write-measured"]:
-        from ..plan.measured import MEASURED_PATH
-
         with open(MEASURED_PATH, "w", encoding="utf-8") as f:
             f.write(json.dumps(measured_evidence(), indent=1, sort_keys=True) + "\n")
         return 0

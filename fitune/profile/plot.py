@@ -9,6 +9,7 @@ PHASE_COLOURS = {"forward": "#dbe9f6", "backward": "#fde2cf", "optimizer": "#e3f
 
 def plot_timeline(result, path: str) -> str:
     """Write a PNG of `result.timeline`; returns the path. Needs matplotlib."""
+    # matplotlib: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,9 +10,15 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..memory import estimate
+from ..perf.flops import mfu
+from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
+from ..runtime.device import configure_allocator, limit_allocator
+from ..runtime.oom import build_report, is_oom
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
+from .tracker import CATEGORIES, MemoryTracker, downsample
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -99,11 +105,8 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
     Raises:
         OutOfMemoryError is not raised: an OOM is returned in `result.oom` (a post-mortem) with what was measured.
     """
+    # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
     import torch
-
-    from ..memory import estimate
-    from ..runtime.device import configure_allocator, limit_allocator
-    from .tracker import MemoryTracker
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("no CUDA GPU here; use --device cpu (tiny models) or run on a GPU machine")
@@ -138,14 +141,12 @@ def _build_run(model_spec: ModelSpec, setup: TrainSetup, source: str | None, dev
     import torch
 
     from ..runtime.model import build_model_for_setup, prepare_model
-    from ..runtime.optim import build_optimizer
-
     # a model folder with weights loads them; a catalog name or config.json gets random weights on `device`
     source = source or model_spec.name
     model = build_model_for_setup(source if os.path.isdir(source) else model_spec, setup, device)
     model = prepare_model(model, setup)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(setup.optimizer, trainable, lr=1e-4)  # each optimizer's default weight decay
+    opt = optim.build_optimizer(setup.optimizer, trainable, lr=1e-4)  # each optimizer's default weight decay
     ids = torch.randint(0, model_spec.vocab_size, (setup.batch_size, setup.seq_len_tokens), device=device)
     return model, opt, ids
 
@@ -156,7 +157,6 @@ def _run_steps(model, opt, ids, setup: TrainSetup, steps: int, tracker, phases: 
     OOM post-mortem as JSON or None). An OOM ends the run; anything else propagates."""
     import torch
 
-    from ..runtime.oom import build_report, is_oom
     from ..runtime.step import train_step
 
     times: list[float] = []
@@ -199,9 +199,6 @@ def _run_steps(model, opt, ids, setup: TrainSetup, steps: int, tracker, phases: 
 def _result(model_spec: ModelSpec, setup: TrainSetup, device: str, cap_bytes: int | None, gpu: GpuSpec | None, est,
             phases: dict, times: list[float], tracker, oom: dict | None, retries: int | None) -> ProfileResult:
     """The measurements, the step time and MFU (against `gpu`), beside the estimate."""
-    from ..perf.flops import mfu
-    from .tracker import CATEGORIES, downsample
-
     cuda = device == "cuda"
     peak_phase = max(phases, key=lambda p: phases[p].peak_allocated_bytes) if phases else "forward"
     peak = phases.get(peak_phase)

@@ -84,6 +84,7 @@ class MemoryTracker:
                  timeline: bool = True, device_type: str | None = None, allocator_counters: bool = False):
         """`allocator_counters`: on CUDA, each timeline sample also reads the caching allocator's allocated and
         reserved bytes."""
+        # torch: optional, imported where used (estimate, plan and doctor SCRIPT never load it)
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
-from .load import KINDS, load_document
-from .train import read_run
+from ..errors import FituneError
+from ..files import check_target, write_text_atomic
+from .charts import HATCH_DEFS
+from .html import page
+from .load import KINDS, load_document, read_source
+from .train import read_run, render as render_train
 
 __all__ = ["KINDS", "render_html", "write_html", "add_html_argument", "maybe_write_html", "load_document", "read_run"]
 
@@ -29,11 +33,10 @@ def render_html(kind: str, doc, *, measured: dict | None = None, refresh_s: int 
     Raises:
         FituneError: an unknown kind.
     """
-    from .html import page
-
     if kind == "train" and isinstance(doc, (str, os.PathLike)):
         doc = read_run(os.fspath(doc))
     if kind == "estimate":
+        # the command's library: imported when it runs, so that `fitune --help` stays light
         from .estimate import render
 
         title, body = render(doc, measured)
@@ -46,19 +49,13 @@ def render_html(kind: str, doc, *, measured: dict | None = None, refresh_s: int 
 
         title, body = render(doc)
     elif kind == "train":
-        from .train import render
-
-        title, body = render(doc)
+        title, body = render_train(doc)
     elif kind == "doctor":
         from .doctor import render
 
         title, body = render(doc)
     else:
-        from ..errors import FituneError
-
         raise FituneError(f"unknown report {kind!r}; known: {', '.join(KINDS)}")
-    from .charts import HATCH_DEFS
-
     return page(title, kind, HATCH_DEFS + body, refresh_s)
 
 
@@ -70,8 +67,6 @@ def write_html(kind: str, doc, path: str, *, what: str = "--html", **options) ->
         UnsafeFileError: `path` is a symbolic link, FIFO, socket, device or folder, or the write failed (`what`,
             the flag that named it, is in the message).
     """
-    from ..files import check_target, write_text_atomic
-
     check_target(path, what)  # before rendering, and before making its folder
     text = render_html(kind, doc, **options)
     folder = os.path.dirname(os.path.abspath(path))
@@ -94,8 +89,6 @@ def maybe_write_html(args, kind: str, doc) -> str | None:
         return None
     if kind == "doctor":
         from .doctor import as_doc
-        from .load import read_source
-
         script = getattr(args, "script", None)
         doc = as_doc(doc, script, read_source(script) if script else None)
     write_html(kind, doc, path)

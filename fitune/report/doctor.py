@@ -9,6 +9,9 @@ the estimate's relative to `estimate.`). Pure Python.
 
 from __future__ import annotations
 
+from ..errors import FituneError
+from .check import problems_in
+from .estimate import render as render_estimate
 from .html import esc, num_bytes, num_value
 
 SEVERITY_ORDER = ("error", "warning", "info")
@@ -61,9 +64,6 @@ def render(doc) -> tuple[str, str]:
 def _check_answer(doc: dict, script: str) -> None:
     """Raise one FituneError when the setup, estimate, fixes or plan of `doc` are not what `fitune doctor --json`
     writes (wrong types, numbers that are not numbers), instead of a traceback halfway through the page."""
-    from ..errors import FituneError
-    from .check import problems_in
-
     shapes = (("setup", dict, False), ("estimate", dict, False), ("fixes", list, True), ("plan", dict, True))
     found = [f"{key} is {type(doc.get(key)).__name__}, not {kind.__name__}" for key, kind, none_ok in shapes
              if not isinstance(doc.get(key), kind) and not (none_ok and doc.get(key) is None)]
@@ -148,8 +148,6 @@ def _setup_section(setup: dict, notebook: bool) -> str:
 # ---- the estimate, the fixes, fitune's own runner ----------------------------------------------------------------
 def _estimate_section(estimate: dict) -> str:
     """fitune report's estimate page (bars, breakdown, phases, verdict), its title made a section heading."""
-    from .estimate import render as render_estimate
-
     _, body = render_estimate(estimate)
     title = body[body.index("<h1>") + 4: body.index("</h1>")]
     body = _retitle(body, f'<h2 id="estimate">{title}</h2>')

@@ -3,11 +3,11 @@ changes that fit, and a measured profile beside the estimate when one is given."
 
 from __future__ import annotations
 
-from .categories import Category, ordered
+from ..units import count_text
+from .categories import BY_KEY, Category, ordered
 from .charts import BarRow, Marker, Segment, legend, stacked_bars
 from .common import breakdown_table, notes_list, setup_line
 from .html import OKABE_ITO, esc, num_bytes, num_value
-from ..units import count_text
 
 RESERVED = Category("peak_reserved", "peak reserved", OKABE_ITO["sky_blue"],
                     "torch.cuda.max_memory_reserved(): what PyTorch's allocator holds at the peak")
@@ -28,8 +28,6 @@ def peak_row(label: str, doc: dict, prefix: str = "", docname: str | None = None
     reserved = doc.get("peak_reserved_bytes")
     allocated = doc.get("peak_allocated_bytes")
     if "allocator_overhead" not in breakdown and reserved is not None and allocated is not None:
-        from .categories import BY_KEY
-
         segs.append(Segment(BY_KEY["allocator_overhead"], reserved - allocated,
                             f"{prefix}peak_reserved_bytes - {prefix}peak_allocated_bytes", docname))
     total, key, note = (reserved, "peak_reserved_bytes", "reserved") if reserved is not None else \

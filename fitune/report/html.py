@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import math
 
+from .. import __version__
 from .units import format_bytes, format_value
 
 # Okabe & Ito's palette (https://jfly.uni-koeln.de/color/): distinguishable with the common colour-vision
@@ -153,8 +154,6 @@ def num_value(x, key: str, text: str | None = None, doc: str | None = None, tag:
 
 def page(title: str, kind: str, body: str, refresh_s: int | None = None) -> str:
     """A whole self-contained HTML document: no external CSS, JS, fonts or images."""
-    from .. import __version__
-
     refresh = f'<meta http-equiv="refresh" content="{int(refresh_s)}">\n' if refresh_s else ""
     return (
         "<!DOCTYPE html>\n"

@@ -7,7 +7,9 @@ import os
 import sys
 
 from ..errors import FituneError
+from ..files import read_text_regular
 from .check import check_numbers
+from .train import read_run
 
 KINDS = ("estimate", "plan", "profile", "train", "doctor")
 
@@ -40,8 +42,6 @@ def read_json(source: str, what: str = "INPUT"):
             text = sys.stdin.read()
             name = "stdin"
         else:
-            from ..files import read_text_regular
-
             text = read_text_regular(source, what=what)  # a FIFO or a device is refused, never waited on
             name = source
     except FileNotFoundError:
@@ -92,13 +92,12 @@ def load_document(kind: str, source: str, measured: str | None = None, script: s
     """The document `render_html(kind, ...)` takes, read from `source` (JSON file, "-" for stdin, or for
     `train` a run folder). `script`: the doctor's script, whose text the report shows."""
     if kind == "train":
-        from .train import read_run
-
         return read_run(source)
     doc = read_json(source)
     check_kind(kind, doc, "stdin" if source == "-" else source)
     check_numbers(doc, kind, "stdin" if source == "-" else source)
     if kind == "doctor":
+        # the command's library: imported when it runs, so that `fitune --help` stays light
         from .doctor import as_doc
 
         path = script or (doc.get("script") if isinstance(doc, dict) else None)
@@ -108,8 +107,6 @@ def load_document(kind: str, source: str, measured: str | None = None, script: s
 
 def read_source(path: str) -> str:
     """The text of the doctor's script (`--script`, or the path its findings name); a FIFO or device is refused."""
-    from ..files import read_text_regular
-
     if not os.path.isfile(path):
         raise FituneError(f"--script {path}: no such file (the script the doctor's findings are about)")
     return read_text_regular(path, what="--script", errors="replace")

@@ -17,6 +17,8 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
+from ..specs import optimizers as optimizer_specs
+
 #: pip's name of each module fitune may import for a run (the import name is the key).
 PIP_NAMES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "bitsandbytes": "bitsandbytes",
              "liger_kernel": "liger-kernel", "flash_attn": "flash-attn", "tensorboard": "tensorboard",
@@ -56,9 +58,11 @@ def flash_dtype_problem(dtype: str) -> str | None:
 
 
 def optimizer_need(name: str) -> Need:
-    """The 8-bit optimizers: bitsandbytes, on CUDA."""
-    return Need(f"optimizer: {name}", ("bitsandbytes",), cuda="bitsandbytes' 8-bit optimizer kernels",
-                instead="optimizer: adamw")
+    """What the optimizer `name` needs beyond torch + transformers (its registry entry: the 8-bit optimizers need
+    bitsandbytes, on CUDA)."""
+    spec = optimizer_specs.get(name)
+    return Need(f"optimizer: {name}", spec.packages, cuda=spec.cuda,
+                instead=f"optimizer: {optimizer_specs.names()[0]}")
 
 
 def logger_need(name: str) -> Need:
@@ -73,7 +77,7 @@ def needs_of(s, report_to: tuple[str, ...] = ()) -> list[Need]:
     out = [Need("fitune train", base)]
     if s.method == "qlora":
         out.append(QLORA)
-    if s.optimizer in ("adamw8bit", "paged_adamw8bit"):
+    if optimizer_specs.get(s.optimizer).packages:
         out.append(optimizer_need(s.optimizer))
     if s.attn == "flash":
         out.append(FLASH)

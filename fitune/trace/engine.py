@@ -62,6 +62,7 @@ from typing import Any
 
 from fitune.errors import ConfigError, FituneError, UnknownModelError
 from fitune.setup import TrainSetup
+from fitune.specs import optimizers as optimizer_specs
 from fitune.trace.support import TraceModelError, TraceUnsupportedError, check_setup
 from fitune.trace.tracker import make_tracker
 
@@ -189,7 +190,7 @@ def _trace(hf_config: dict, setup: TrainSetup, *, steps: int = 2, fake: bool = T
         "64 MiB more allocated than the tensors from the first step on, cuBLAS workspaces most likely) and the "
         "caching allocator's rounding, fragmentation and reserved-but-free memory"
     )
-    notes.append(_OPTIMIZER_NOTES[setup.optimizer])
+    notes.append(optimizer_specs.get(setup.optimizer).trace_note)  # how the registry's entry runs here
     return TraceResult(
         **sizes,
         gradients_bytes=rec.grads_bytes,
@@ -507,14 +508,6 @@ def _checkpoint_first_layers(model, layers: list, k: int, label: str, model_type
     from fitune.runtime.techniques.offload import enable_selective_checkpointing
 
     enable_selective_checkpointing(model, k)  # the runner's own: checkpointing kept on the first k layers
-
-
-_OPTIMIZER_NOTES = {
-    "adamw": "AdamW runs with foreach=True (the CUDA default); the 'step' state is counted in optimizer state",
-    "sgd": "SGD (momentum 0: no state) runs with foreach=True (the CUDA default)",
-    "adafactor": "Adafactor as transformers.optimization.Adafactor(relative_step=False, scale_parameter=False): "
-                 "a factored fp32 second moment, no first moment",
-}
 
 
 def _first_line(exc: BaseException, limit: int = 400) -> str:

@@ -32,6 +32,7 @@ import dataclasses
 
 from ..errors import FituneError
 from ..setup import TrainSetup
+from ..specs import optimizers as optimizer_specs
 
 #: TrainSetup fields whose every value is handled above (run, or refused by name).
 KNOWN_FIELDS = frozenset({
@@ -71,8 +72,10 @@ def check_setup(setup: TrainSetup) -> list[str]:
     if setup.method == "qlora":
         refuse("--method qlora", "QLoRA's NF4 layers are bitsandbytes kernels that need CUDA, and the trace runs on "
                "fake CPU tensors")
-    if setup.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        refuse(f"--optimizer {setup.optimizer}", "bitsandbytes' 8-bit optimizers need CUDA")
+    optimizer = optimizer_specs.get(setup.optimizer)
+    if optimizer.trace_note is None:  # the registry's entry has no CPU path (CUDA kernels)
+        refuse(f"--optimizer {setup.optimizer}", "bitsandbytes' 8-bit optimizers need CUDA"
+               if "bitsandbytes" in optimizer.packages else f"{optimizer.cuda} need CUDA")
     if setup.attn == "flash":
         refuse("--attn flash", "flash-attention 2 is a CUDA kernel; the trace runs --attn sdpa or eager")
     if setup.checkpointed_layers_mode == "offload":

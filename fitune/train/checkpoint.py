@@ -30,6 +30,7 @@ import re
 import stat
 
 from ..errors import ConfigError, FituneError
+from ..parallel.checkpoint import is_sharded, load_sharded
 from ..units import GiB
 from .outdir import METRICS_FILE, RunFolder, fsync_dir, fsync_tree, write_failed_message
 
@@ -258,6 +259,7 @@ def save(folder: RunFolder, step: int, model, optimizer, scheduler, stream_state
     A complete checkpoint of this run for `step` already there (the end-of-run or Ctrl-C save right after a
     periodic one) is kept as it is: the state is the same, and replacing it would open a moment with none.
     """
+    # safetensors, torch, numpy: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     from safetensors.torch import save_file
 
     parent = folder.real_dir(CHECKPOINTS)
@@ -355,8 +357,6 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     if foreign:  # fitune never writes these; whoever did, they stay unread
         log.warning("checkpoint %s: ignoring %s (fitune's checkpoints hold no pickle; these files are not read)",
                     path, ", ".join(foreign))
-    from ..parallel.checkpoint import is_sharded, load_sharded
-
     if is_sharded(path):  # written by an FSDP2 run, on any number of GPUs: DCP reshards for this one
         try:
             load_sharded(path, model, optimizer)

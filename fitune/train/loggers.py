@@ -13,6 +13,7 @@ import math
 import os
 
 from ..errors import ConfigError, FituneError
+from ..runtime.needs import logger_need, packages_problem
 
 KNOWN_LOGGERS = ("tensorboard", "wandb")
 """What `report_to` may name; "none" (or nothing) means no logger."""
@@ -31,8 +32,6 @@ def _numbers(scalars: dict) -> dict[str, float]:
 
 def _missing(name: str) -> str:
     """The message for a logger whose package is not installed (the one `fitune train` gives before loading)."""
-    from ..runtime.needs import logger_need, packages_problem
-
     return packages_problem([logger_need(name)], [name])
 
 
@@ -41,6 +40,7 @@ class TensorBoardLogger:
 
     def __init__(self, log_dir: str, config: dict):
         try:
+            # torch, wandb: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise FituneError(f"{_missing('tensorboard')} ({exc})") from exc

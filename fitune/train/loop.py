@@ -26,13 +26,28 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import data as data_mod
+from ..config import position_warning
+from ..data.stream import StreamingBatches
 from ..errors import FituneError
+from ..parallel import ranks
+from ..parallel.checkpoint import full_state_dict, save_on_ranks
+from ..parallel.data import rank_micro_batches
+from ..parallel.deepspeed_engine import release
+from ..parallel.ranks import mean
+from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
+from ..runtime.device import configure_allocator, limit_allocator, pick_device, release_memory
+from ..runtime.oom import is_oom
+from ..specs.gpu import resolve_gpu
 from . import checkpoint, identity, outdir
 from .config import TrainConfig
+from .loggers import make_loggers
 from .progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -80,12 +95,8 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
         OutputDirError, ConfigError, CheckpointError: exit 2, the message says what to do.
         TrainingInterrupted: Ctrl-C (exit 130), after the checkpoint of the last finished step is written.
     """
-    from ..parallel import ranks
-
     main = ranks.start(cfg.setup.num_gpus, cfg.setup.strategy).is_main  # [parallel] torchrun's ranks join here
     if main:
-        from ..config import position_warning
-
         warning = position_warning(cfg)  # seq_len beyond the model's positions: allowed, said before anything loads
         if warning:
             log.warning("fitune train: warning: %s", warning)
@@ -110,8 +121,6 @@ def train(cfg: TrainConfig, resume: bool = False, fault=None, progress: bool = T
             folder.close()
         _GracefulStop.restore_all()  # after the lock's release: a late second Ctrl-C cannot cut it short
         ranks.stop()
-        from ..parallel.deepspeed_engine import release
-
         release()  # [parallel] ZeRO: the engine and the ZeRO-3 construction config end with the run
 
 
@@ -136,11 +145,10 @@ def _resume_point(cfg: TrainConfig, folder: outdir.RunFolder) -> str:
 
 def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, fault, progress: bool) -> TrainResult:
     """The run itself, in `folder` (held by `train`); from the checkpoint `resume_from` when given."""
+    # torch, numpy, transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
 
-    from .. import data as data_mod
     from ..runtime.model import load_tokenizer
-    from ..runtime.optim import build_optimizer
     from ._parallel_steps import RankHooks
 
     par = RankHooks()  # [parallel] where torchrun's ranks meet; on one GPU each hook is a no-op
@@ -151,7 +159,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     stream, eval_items, total_steps = _load_data(cfg, tokenizer, par.global_batch_rows(s.batch_size))
     model, engine = _load_model(cfg, tokenizer, device, par)
     trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the shards
-    optimizer = build_optimizer(s.optimizer, trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = optim.build_optimizer(s.optimizer, trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _scheduler(cfg, optimizer, total_steps)
     optimizer = par.attach_optimizer(engine, optimizer, s, cfg)  # [parallel] ZeRO: DeepSpeed steps it
     scaler = torch.amp.GradScaler("cuda") if s.dtype == "fp16" and device == "cuda" else None
@@ -210,13 +218,9 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
 
 def _start_device(cfg: TrainConfig, par) -> str:
     """The device this process trains on, its allocator configured (and capped to `cfg.cap`'s budget)."""
-    from ..runtime.device import configure_allocator, limit_allocator, pick_device
-
     configure_allocator(cfg.setup)  # before CUDA starts
     device = par.device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
     if cfg.cap and device == "cuda":
-        from ..specs.gpu import resolve_gpu
-
         limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
     return device
 
@@ -224,12 +228,8 @@ def _start_device(cfg: TrainConfig, par) -> str:
 def _load_data(cfg: TrainConfig, tokenizer, rows: int) -> tuple:
     """(the batch stream of `rows` rows per batch, the eval examples or None, the run's optimizer steps): the data
     tokenised once and batched deterministically, or streamed."""
-    from .. import data as data_mod
-
     s = cfg.setup
     if cfg.data.streaming:  # records read as the steps need them; max_steps counts the run (the config requires it)
-        from ..data.stream import StreamingBatches
-
         stream = StreamingBatches(cfg.data.path, cfg.data.split, cfg.data.subset, tokenizer, cfg.data.format,
                                   s.seq_len_tokens, rows, data_mod.pad_id(tokenizer), packed=cfg.packing)
         log.info("data: format %s; streaming %s (records read as training needs them, in source order)",
@@ -313,8 +313,6 @@ class _Report:
 
     def __init__(self, cfg: TrainConfig, folder, step: int, total_steps: int, progress: bool, device: str,
                  is_main: bool):
-        from .loggers import make_loggers
-
         # drops the lines of steps after the checkpoint: they are trained again
         self.metrics = folder.open_metrics(through_step=step)
         self.loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
@@ -376,10 +374,6 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
                          check_gradients: bool = False) -> float:
     """Run the step; on an out-of-memory error free it, re-plan and run the same data again. `check_gradients`:
     stop if no trainable parameter got a gradient (`fitune.runtime.step.require_gradients`)."""
-    from ..parallel import ranks
-    from ..runtime.device import release_memory
-    from ..runtime.oom import is_oom
-
     while True:
         try:
             return _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault, check_gradients)
@@ -402,8 +396,6 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
 def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault,
                     check_gradients: bool = False) -> float:
     """The step's batches split into the plan's micro-batches, through the runtime's one training step."""
-    from ..parallel.data import rank_micro_batches
-    from ..parallel.ranks import mean
     from ..parallel.wrap import step_loss
     from ..runtime.step import train_step
 
@@ -464,7 +456,6 @@ def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) ->
     """Mean token loss over the eval set (no gradients, so no saved activations)."""
     import torch
 
-    from .. import data as data_mod
     from ..parallel.wrap import step_loss
     from ..runtime.step import forward_loss
 
@@ -493,8 +484,6 @@ def _checkpoint_due(cfg: TrainConfig, step: int, total_steps: int, since_save_s:
 def _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop) -> str:
     stop.saving_step = step  # a Ctrl-C now says it waits for this write
     try:
-        from ..parallel.checkpoint import save_on_ranks
-
         path = save_on_ranks(  # [parallel] rank 0 writes; FSDP2: every rank writes its shards first
             lambda writer: checkpoint.save(folder, step, model, optimizer, scheduler, stream.state_dict(),
                                            {"plan_changes": plan.changes, "config": cfg.to_dict()},
@@ -534,9 +523,6 @@ def _write_outputs(cfg: TrainConfig, folder, model, tokenizer) -> tuple[str | No
 def _write_pretrained(cfg: TrainConfig, folder, name: str, model, tokenizer) -> str:
     """`output_dir/name` written as a fresh `name.tmp/` (no file in it a planted link could redirect), then renamed
     over the old one: a crash leaves the old folder or the new one, complete."""
-    from ..parallel import ranks
-    from ..parallel.checkpoint import full_state_dict
-
     state = full_state_dict(model, cfg.setup.strategy)  # [parallel] FSDP2 / ZeRO-3: gathered on rank 0 (else None)
     if not ranks.is_main():  # [parallel] rank 0 alone writes
         return os.path.join(cfg.output_dir, name)
@@ -561,9 +547,6 @@ class _GracefulStop:
     """
 
     def __init__(self, last_checkpoint: str | None = None):
-        import signal
-        import threading
-
         self.presses = 0
         self.saving_step: int | None = None
         """The step whose checkpoint is being written, if one is."""
@@ -598,8 +581,6 @@ class _GracefulStop:
             raise KeyboardInterrupt
 
     def restore(self):
-        import signal
-
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -473,8 +474,6 @@ _DIR_LOCKS: dict[int, int] = {}
 
 def _lock_dir(root: str) -> int:
     """flock output_dir's own inode: unlike fitune.lock it cannot be deleted while the run holds it."""
-    import fcntl
-
     fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -532,8 +531,6 @@ def _in_use_message(root: str, holder: dict) -> str:
 
 def _lock_file(root: str) -> int | None:
     """flock `root/fitune.lock` and write our pid into it for the message a second run gets."""
-    import fcntl
-
     path = os.path.join(root, LOCK_FILE)
     for _ in range(5):
         try:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import os
 
 from ..config import TrainConfig, source_problems
+from ..data.encode import check_first_records
 from ..errors import ConfigError, DataError
+from ..parallel import CPU_RANKS_ENV, ZERO_STRATEGIES
+from ..parallel.launch import needs_launch, preflight
+from ..runtime import needs as runtime_needs  # has_module, cuda_available: looked up when called (tests replace them)
+from ..runtime.needs import flash_dtype_problem, machine_problems, memory_problems, needs_of
 from ..setup import TrainSetup
 
 
@@ -36,24 +41,20 @@ def preflight_problems(cfg: TrainConfig) -> list[str]:
 def _memory_problems(cfg: TrainConfig) -> list[str]:
     """Host RAM and each phase against the GPU (fitune/memory/phases.py); torch imported only with a CUDA option
     or when torch is there to ask."""
-    from ..runtime.needs import has_module, memory_problems
-
-    on_cuda = runs_on_cuda(cfg.setup) if has_module("torch") else False
+    on_cuda = runs_on_cuda(cfg.setup) if runtime_needs.has_module("torch") else False
     return memory_problems(cfg, on_cuda)
 
 
 def _machine_problems(cfg: TrainConfig) -> list[str]:
     """Options this machine cannot run (a CUDA GPU, packages: `fitune.runtime.needs`), and for several GPUs or
     DeepSpeed the launcher's own checks (GPU count, DeepSpeed installed, the strategy's methods)."""
-    from ..parallel.launch import needs_launch, preflight
-    from ..runtime.needs import flash_dtype_problem, has_module, machine_problems, needs_of
-
     needs = needs_of(cfg.setup, cfg.report_to)
     on_cuda = runs_on_cuda(cfg.setup) if any(n.cuda for n in needs) else True  # torch imported only if needed
     problems = machine_problems(needs, on_cuda)
     if cfg.setup.attn == "flash" and flash_dtype_problem(cfg.setup.dtype):
         problems.append(flash_dtype_problem(cfg.setup.dtype))
-    if needs_launch(cfg.setup) and has_module("torch"):  # (without torch, the missing package is the problem)
+    # (without torch, the missing package is the problem)
+    if needs_launch(cfg.setup) and runtime_needs.has_module("torch"):
         try:
             preflight(cfg)
         except ConfigError as exc:
@@ -64,17 +65,12 @@ def _machine_problems(cfg: TrainConfig) -> list[str]:
 def runs_on_cuda(s: TrainSetup) -> bool:
     """Whether `fitune train` runs `s` on a CUDA GPU here: torch sees one, and the run is not a CPU rehearsal of
     several ranks (FITUNE_CPU_RANKS=1: fitune/parallel/ranks.py trains them on the CPU). Imports torch."""
-    from ..parallel import CPU_RANKS_ENV, ZERO_STRATEGIES
-    from ..runtime.needs import cuda_available
-
     rehearsal = os.environ.get(CPU_RANKS_ENV) == "1" and (s.num_gpus > 1 or s.strategy in ZERO_STRATEGIES)
-    return not rehearsal and cuda_available()
+    return not rehearsal and runtime_needs.cuda_available()
 
 
 def _data_peek_problems(cfg: TrainConfig) -> list[str]:
     """The first records of each local data file read and checked against data.format (no tokenizer needed)."""
-    from ..data.encode import check_first_records
-
     problems = []
     for path in dict.fromkeys(p for p in (cfg.data.path, cfg.data.eval_path) if p and os.path.isfile(p)):
         try:

@@ -14,8 +14,10 @@ Imports tqdm when a bar is drawn, torch only to read the GPU's size.
 
 from __future__ import annotations
 
+import logging
 import sys
 
+from ..specs.gpu import resolve_gpu
 from ..units import GiB
 
 
@@ -61,9 +63,8 @@ def memory_budget_bytes(device: str, cap=None) -> int | None:
     if not device.startswith("cuda"):
         return None
     if cap:
-        from ..specs.gpu import resolve_gpu
-
         return resolve_gpu(str(cap)).allocator_budget_bytes
+    # torch, tqdm: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
 
     return torch.cuda.get_device_properties(torch.device(device)).total_memory  # "cuda": the current GPU
@@ -119,8 +120,6 @@ class NoBar:
         step = line.get("step")
         if not self.log_every or not isinstance(step, int) or (step % self.log_every and step != self.total_steps):
             return
-        import logging
-
         text = postfix(line.get("loss", float("nan")), line.get("tokens_per_s", 0.0), self.eval_loss, "")
         logging.getLogger("fitune").info("step %d/%d: %s", step, self.total_steps, text)
 

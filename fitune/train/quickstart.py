@@ -25,6 +25,12 @@ import os
 import random
 import sys
 
+from ..config import config_from_dict
+from ..plan.emit import to_yaml
+from ..runtime import needs as runtime_needs  # has_module: looked up when called (tests replace it)
+from ..runtime.needs import Need, packages_problem
+from .synthetic import SPECIALS, make_word_tokenizer
+
 COLOURS = ["red", "blue", "green", "black", "white"]
 THINGS = ["cat", "dog", "mat", "sky", "car", "hat"]
 WORDS = ["what", "color", "is", "the", "answer"] + COLOURS + THINGS
@@ -43,10 +49,9 @@ def write_colour_chats(path: str, n: int, seed: int) -> str:
 
 def write_quickstart(folder: str, seed: int = 0) -> str:
     """Write model/, train.jsonl, eval.jsonl and run.yaml under `folder`; returns the config's path."""
+    # torch, transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .synthetic import SPECIALS, make_word_tokenizer
 
     folder = os.path.abspath(folder)  # the config works from any working directory
     model_dir = os.path.join(folder, "model")
@@ -212,9 +217,6 @@ def write_real_quickstart(folder: str, model: str, seed: int = 0) -> str:
 
 
 def _write_config(folder: str, doc: dict, comments: list[str]) -> str:
-    from ..config import config_from_dict
-    from ..plan.emit import to_yaml
-
     config_from_dict(doc, "quickstart")  # what we write must be a valid config
     path = os.path.join(folder, "run.yaml")
     with open(path, "w", encoding="utf-8") as f:
@@ -225,10 +227,8 @@ def _write_config(folder: str, doc: dict, comments: list[str]) -> str:
 def _missing_packages() -> str:
     """Why the tiny model cannot be written (nor trained) here: torch, transformers or peft missing, all named in one
     message; "" when nothing is missing."""
-    from ..runtime.needs import Need, has_module, packages_problem
-
     need = Need("the quickstart's tiny model, and fitune train", ("torch", "transformers", "peft"))
-    missing = [m for m in need.modules if not has_module(m)]
+    missing = [m for m in need.modules if not runtime_needs.has_module(m)]
     return packages_problem([need], missing) if missing else ""
 
 

@@ -14,6 +14,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} 
 
 def make_word_tokenizer(folder: str, words: list[str]) -> str:
     """A word-level Hugging Face tokenizer (specials + `words`) with a chat template, saved in `folder`."""
+    # tokenizers, transformers: optional, imported where used (estimate, plan and doctor SCRIPT never load them)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

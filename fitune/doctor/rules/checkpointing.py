@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from ...specs import load_model_spec
+from ...units import gib
 from .. import evidence
 from ..findings import ERROR, INFO, WARNING
 from ..index import Call, ScriptIndex
@@ -166,9 +168,6 @@ def _kv_cache_text(ix: ScriptIndex) -> str:
     ss = known_setup(ix)
     if ss is None:
         return "0.50 GiB for llama-3.1-8b at 2x2048 in bf16"
-    from ...specs import load_model_spec
-    from ...units import gib
-
     m, s = load_model_spec(ss.model), ss.setup
     n = 2 * m.num_layers * s.batch_size * s.seq_len_tokens * m.num_kv_heads * m.head_dim * 2
     return f"computed from the catalog config: {gib(n)} for this script's {ss.model} at {s.batch_size}x{s.seq_len_tokens} in bf16"

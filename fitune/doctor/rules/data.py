@@ -5,7 +5,10 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
+from ...errors import FituneError
+from ...specs.model import model_catalog, resolve_model_source
 from .. import evidence
+from ..evidence import catalog_name
 from ..findings import ERROR, INFO, WARNING
 from ..index import ScriptIndex, tokenizer_calls
 from .base import Hit, call_text, known_setup, rule, script_catalog_model, script_model
@@ -185,9 +188,6 @@ def _sets_pad_token(ix: ScriptIndex) -> bool:
 
 def _tokenizer_family(ix: ScriptIndex) -> str | None:
     """The model_type of the tokenizer the script loads (from its id, else the script's model)."""
-    from ...specs.model import model_catalog
-    from ..evidence import catalog_name
-
     names = []
     for c in ix.calls:
         if c.tail == "from_pretrained" and "Tokenizer" in c.receiver:
@@ -201,9 +201,6 @@ def _tokenizer_family(ix: ScriptIndex) -> str | None:
     if name in model_catalog():
         return model_catalog()[name]["config"].get("model_type")
     # `--model FOLDER` (or a config.json, a Hub id): the model_type its config.json names
-    from ...errors import FituneError
-    from ...specs.model import resolve_model_source
-
     try:
         return resolve_model_source(name).model_type or None
     except FituneError:

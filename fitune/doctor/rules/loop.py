@@ -5,10 +5,11 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
+from ...specs import load_model_spec
+from ...units import gib
 from .. import evidence
 from ..findings import ERROR, WARNING
 from ..index import ScriptIndex
-from ...units import gib
 from .base import Hit, call_text, known_setup, rule
 
 PER_STEP_FUNCTIONS = ("step", "on_step")
@@ -101,8 +102,6 @@ def outputs_kept_through_backward(ix: ScriptIndex) -> Iterator[Hit]:
     rec = ss.fields["keep_outputs"]
     if rec.origin != "script" or rec.value is not True:
         return
-    from ...specs import load_model_spec
-
     s, m = ss.setup, load_model_spec(ss.model)
     logits = s.batch_size * s.seq_len_tokens * m.vocab_size * 2
     where = "" if ss.model_known else f" (the script's model is not in fitune's catalog: quoted for {ss.model})"

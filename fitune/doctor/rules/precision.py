@@ -8,6 +8,7 @@ from typing import Iterator
 from .. import evidence
 from ..findings import ERROR, WARNING
 from ..index import Assignment, Call, ScriptIndex
+from .arguments import OPTIMIZERS
 from .base import Hit, call_text, known_setup, rule, script_model
 
 FIX_BF16 = ("bf16 on Ampere or newer (RTX 30xx/40xx/50xx, A100, L4, H100): bf16=True / mixed_precision=\"bf16\" / "
@@ -131,8 +132,6 @@ def _grad_scalers(ix: ScriptIndex) -> list[Assignment]:
 
 def _optimizer_steps(ix: ScriptIndex) -> list[Call]:
     """`optimizer.step()` calls on a name bound to an optimizer class (torch.optim.AdamW(...), bnb's, ...)."""
-    from .arguments import OPTIMIZERS
-
     names = {a.target for a in ix.assignments
              if isinstance(a.value, ast.Call) and ix.dotted(a.value.func).rsplit(".", 1)[-1] in OPTIMIZERS}
     return [c for c in ix.calls if c.tail == "step" and c.receiver in names]
