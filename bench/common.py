@@ -266,6 +266,30 @@ def probed_fitune_cmd(probe_path: str) -> tuple[list[str], dict]:
             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
+def host_peaks() -> dict:
+    """This process's host memory as it ends: `host_peak_rss_bytes` (VmHWM of /proc/self/status: the peak resident
+    set of the whole process, pinned host buffers included, since they are resident) and, where PyTorch reports them,
+    the peak bytes of its pinned (page-locked) host allocator (`torch.cuda.host_memory_stats`, PyTorch >= 2.5)."""
+    out: dict = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    out["host_peak_rss_bytes"] = int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")  # only if the run imported it
+    if torch is not None and torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        try:
+            stats = torch.cuda.host_memory_stats()
+        except RuntimeError:
+            stats = {}
+        peak = stats.get("allocated_bytes.peak")  # pinned blocks owned by the allocator (active + cached)
+        if peak is not None:
+            out["host_pinned_peak_bytes"] = int(peak)
+    return out
+
+
 def _run_fitune_probed(argv: list[str]) -> int:
     from fitune.cli.main import main as fitune_main
 
@@ -273,6 +297,7 @@ def _run_fitune_probed(argv: list[str]) -> int:
         try:
             return fitune_main(argv)
         finally:
+            seen.update(host_peaks())
             if os.environ.get(PROBE_ENV):
                 with open(os.environ[PROBE_ENV], "w", encoding="utf-8") as f:
                     json.dump(seen, f)

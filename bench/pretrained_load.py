@@ -82,6 +82,18 @@ SAMPLE_S = 0.01
 
 STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
 
+PHASE_KEYS = ("gpu_allocated_bytes", "gpu_reserved_bytes", "host_bytes")
+"""What `fitune estimate --json`'s `run_phases` gives per phase, and what each measured phase records."""
+
+LOOP_PHASES = {"eval_step": "_evaluate", "save": "_save", "write_outputs": "_write_outputs"}
+"""The phases measured inside `fitune train` by wrapping fitune/train/loop.py's functions (called by module-level
+name, so the wrapper in the module is the one called): the eval pass, a checkpoint's save, the adapter written at
+the end."""
+
+EST_PHASE = {"write_outputs": "save"}
+"""A measured phase compared with another phase of the estimate: its `save` models both a checkpoint's save and the
+adapter written at the end (the larger of the two)."""
+
 
 # ---- provenance --------------------------------------------------------------------------------------------
 
@@ -254,6 +266,9 @@ def write_case_config(work: str, folder: str, data: str, case: str, args) -> tup
     cfg.pop("epochs", None)
     cfg.update({"model": folder, "init": "pretrained", "max_steps": args.steps, "cap": args.cap,
                 "output_dir": os.path.join(work, f"run_{case}")})
+    if args.eval_data:  # the eval step's phase: evaluated once, at the end (with the last checkpoint's save)
+        cfg["data"] = {**cfg.get("data", {}), "eval_path": args.eval_data}
+        cfg["eval_every"] = args.steps
     cfg.pop("tokenizer", None)  # the folder's own
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
@@ -270,7 +285,10 @@ def estimate_case(path: str, cap: str) -> tuple[list[str], dict]:
     return cmd, {"est_peak_allocated_bytes": est["peak_allocated_bytes"],
                  "est_peak_reserved_bytes": est["peak_reserved_bytes"], "est_peak_phase": est.get("peak_phase"),
                  "est_weights_bytes": est["breakdown"]["weights"], "est_fits": est.get("fits"),
-                 "est_host_bytes": est.get("host_bytes"), "est_notes": est.get("notes")}
+                 "est_host_bytes": est.get("host_bytes"), "est_notes": est.get("notes"),
+                 "est_run_phases": {ph["name"]: {k: ph.get(k) for k in PHASE_KEYS} for ph in est.get("run_phases") or []},
+                 "est_host_peak_bytes": est.get("host_peak_bytes"), "est_host_peak_phase": est.get("host_peak_phase"),
+                 "est_worst_phase": est.get("worst_phase"), "est_run_fits": est.get("run_fits")}
 
 
 def run_child(case_dir: str, config: str, log_path: str, timeout_s: float) -> tuple[list[str], object, str]:
@@ -330,7 +348,68 @@ def run_case(case: str, args, folder: str, facts: dict, data: str, prov: dict) -
         rec.update(step_peaks(cfg["output_dir"]))
     if code != 0:
         rec["log_tail"] = tail
+    elif args.merge:
+        rec["merge"] = run_merge_child(case_dir, cfg["output_dir"], args)
     return with_comparisons(rec)
+
+
+def run_merge_child(case_dir: str, run_dir: str, args) -> dict:
+    """`fitune merge RUN --out DIR` in a fresh process (this script's --merge-child), under the same allocator cap as
+    training: its GPU peaks and the process's peak RSS (VmHWM: the whole process, start-up included, as the
+    estimate's merge phase counts it). The merged folder (16 GB for 8B) is deleted after."""
+    merged = os.path.join(args.work, "merged")
+    shutil.rmtree(merged, ignore_errors=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--merge-child", case_dir, "--run", run_dir, "--merged", merged,
+           "--cap", args.cap]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=args.timeout)
+        code, tail = proc.returncode, (proc.stdout[-800:] + proc.stderr[-1500:])
+    except subprocess.TimeoutExpired:
+        code, tail = "timeout", ""
+    path = os.path.join(case_dir, "merge.json")
+    out = json.load(open(path)) if os.path.exists(path) else {}
+    out.update({"exit": code, "wall_s": time.perf_counter() - t0,
+                "command": shlex.join(fitune_cmd("merge", run_dir, "--out", merged)) + "  (in-process: " +
+                shlex.join(cmd) + ")"})
+    if code != 0:
+        out["log_tail"] = tail[-2000:]
+    print("### merge:", json.dumps({k: out.get(k) for k in ("exit", "wall_s", "gpu_peak_allocated_bytes",
+                                                            "host_rss_peak_bytes")}), flush=True)
+    shutil.rmtree(merged, ignore_errors=True)
+    return out
+
+
+def merge_child_main(case_dir: str, run_dir: str, merged: str, cap: str) -> int:
+    """The merge child: the allocator capped as `cap: CAP` caps training, then `fitune merge` in this process."""
+    import torch
+
+    from bench.common import cap_allocator
+    from fitune.cli.main import main as fitune_main
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        cap_allocator(cap, "cuda")
+        torch.cuda.reset_peak_memory_stats()
+    sampler = HostSampler()
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        code = fitune_main(["merge", run_dir, "--out", merged])
+        error = None
+    except BaseException as exc:  # noqa: BLE001 - an OOM under the cap is a finding: recorded
+        code, error = 1, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    sampled = sampler.stop()
+    rec = {"merge_s": time.perf_counter() - t0, "child_exit": code, **({"error": error} if error else {}),
+           "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+           "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+           "host_rss_peak_bytes": host_status().get("VmHWM"), "host_anon_peak_bytes": sampled["RssAnon"],
+           "host_file_peak_bytes": sampled["RssFile"],
+           "merged_bytes": sum(os.path.getsize(os.path.join(merged, f)) for f in os.listdir(merged)
+                               if f.endswith(".safetensors")) if os.path.isdir(merged) else None}
+    with open(os.path.join(case_dir, "merge.json"), "w") as f:
+        json.dump(rec, f)
+    return 0 if code == 0 else 1
 
 
 def with_comparisons(rec: dict) -> dict:
@@ -340,6 +419,29 @@ def with_comparisons(rec: dict) -> dict:
 
     rec["step_allocated_over_est"] = ratio(rec.get("peak_allocated_bytes"), rec.get("est_peak_allocated_bytes"))
     rec["step_reserved_over_est"] = ratio(rec.get("peak_reserved_bytes"), rec.get("est_peak_reserved_bytes"))
+    est = rec.get("est_run_phases") or {}
+    measured = dict(rec.get("phases") or {})
+    if rec.get("load") and "load_error" not in rec["load"]:
+        measured["load"] = {"gpu_allocated_bytes": rec["load"].get("gpu_peak_allocated_bytes"),
+                            "gpu_reserved_bytes": rec["load"].get("gpu_peak_reserved_bytes"),
+                            "host_bytes": rec["load"].get("host_rss_peak_bytes"),
+                            "host_anon_bytes": rec["load"].get("host_anon_peak_bytes")}
+    if rec.get("peak_allocated_bytes") is not None:
+        measured["train_step"] = {"gpu_allocated_bytes": rec["peak_allocated_bytes"],
+                                  "gpu_reserved_bytes": rec.get("peak_reserved_bytes")}
+    merge = rec.get("merge")
+    if merge and merge.get("child_exit") == 0:
+        measured["merge"] = {"gpu_allocated_bytes": merge.get("gpu_peak_allocated_bytes"),
+                             "gpu_reserved_bytes": merge.get("gpu_peak_reserved_bytes"),
+                             "host_bytes": merge.get("host_rss_peak_bytes"),
+                             "host_anon_bytes": merge.get("host_anon_peak_bytes")}
+    rec["phase_comparison"] = {
+        name: {"est_phase": EST_PHASE.get(name, name),
+               **{f"measured_{k}": m.get(k) for k in (*PHASE_KEYS, "host_anon_bytes")},
+               **{f"est_{k}": est.get(EST_PHASE.get(name, name), {}).get(k) for k in PHASE_KEYS},
+               **{f"{k}_over_est": ratio(m.get(k), est.get(EST_PHASE.get(name, name), {}).get(k))
+                  for k in PHASE_KEYS}}
+        for name, m in measured.items()}
     load = rec.get("load")
     if load and "load_error" not in load:
         bf16 = rec["folder"]["shard_bytes"]
@@ -368,6 +470,43 @@ def step_peaks(output_dir: str) -> dict:
 
 
 # ---- the child: fitune train, its load measured ------------------------------------------------------------
+
+
+def measured_phase(name: str, fn, phases: dict):
+    """`fn` wrapped: the GPU's peaks while it runs (allocated, reserved: absolute, the weights and optimizer states
+    included, as the estimate's phases are) and the process's peak RSS (VmHWM reset at its start, so the peak of
+    this call; pinned buffers are resident and count) with its anonymous part sampled; the largest over calls in
+    `phases[name]`."""
+    def wrapper(*a, **kw):
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        reset_ok = reset_host_peak()
+        sampler = HostSampler()
+        sampler.start()
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            sampled = sampler.stop()
+            now = {"seconds": time.perf_counter() - t0,
+                   "gpu_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                   "gpu_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+                   "host_bytes": host_status().get("VmHWM") if reset_ok else sampled["VmRSS"],
+                   "host_exact": reset_ok, "host_anon_bytes": sampled["RssAnon"], "host_file_bytes": sampled["RssFile"]}
+            old = phases.get(name)
+            phases[name] = now if old is None else {
+                k: (max(v, old.get(k) or 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                for k, v in now.items()}
+            phases[name]["calls"] = (old or {}).get("calls", 0) + 1
+            print(f"### phase {name}:", json.dumps(phases[name]), flush=True)
+    return wrapper
+
 
 
 def child_main(case_dir: str, config: str) -> int:
@@ -438,6 +577,12 @@ def child_main(case_dir: str, config: str) -> int:
         return model
 
     runtime_model.build_model_for_setup = build_and_measure  # train/loop.py imports it from the module at call time
+    import fitune.train.loop as loop
+
+    phases: dict = {}
+    originals = {name: getattr(loop, fn) for name, fn in LOOP_PHASES.items()}
+    for name, fn in LOOP_PHASES.items():
+        setattr(loop, fn, measured_phase(name, originals[name], phases))
     error = None
     seen: dict = {}
     try:
@@ -450,11 +595,13 @@ def child_main(case_dir: str, config: str) -> int:
         code, error = 1, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
         runtime_model.build_model_for_setup = build
+        for name, fn in LOOP_PHASES.items():
+            setattr(loop, fn, originals[name])
     cfg = yaml.safe_load(open(config))
     if not load and error is None and code == 0:
         error = ("fitune train never called fitune.runtime.model.build_model_for_setup: wrap what train/loop.py calls "
                  "now to build the model")
-    rec = {"load": load or None, "child_exit": code, **({"error": error} if error else {}),
+    rec = {"load": load or None, "phases": phases, "child_exit": code, **({"error": error} if error else {}),
            **step_peaks(cfg["output_dir"])}
     rec["versions"] = versions()
     rec["training"] = training_facts([s["loss"] for s in rec["steps"] if s.get("loss") is not None], seen,
@@ -483,11 +630,20 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, bf16 LoRA only, 2 steps of 64 tokens")
     p.add_argument("--print-provenance", action="store_true",
                    help="print FITUNE_COMMIT=... FITUNE_DIFF_SHA256=... of this checkout (for a command run elsewhere)")
+    p.add_argument("--no-eval", dest="eval", action="store_false",
+                   help="no eval data (the eval step's phase is then not measured)")
+    p.add_argument("--no-merge", dest="merge", action="store_false",
+                   help="no `fitune merge` of each case's run (its phase is then not measured)")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--merge-child", help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--merged", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child_main(args.child, args.config)
+    if args.merge_child:
+        return merge_child_main(args.merge_child, args.run, args.merged, args.cap)
     if args.print_provenance:
         prov = provenance()
         print(f"FITUNE_COMMIT={prov['commit']} FITUNE_DIFF_SHA256={prov['diff_sha256']}")
@@ -511,6 +667,8 @@ def main(argv=None) -> int:
     facts = write_model_folder(folder, model_config(args.smoke), args.device, args.smoke, words)
     print("### folder:", json.dumps(facts), flush=True)
     data = write_chat_data(os.path.join(args.work, "train.jsonl"), 64, words, answer_words=args.seq_len + 50)
+    args.eval_data = write_chat_data(os.path.join(args.work, "eval.jsonl"), 2 * args.batch_size, words,
+                                     answer_words=args.seq_len + 50, seed=1) if args.eval else None
 
     for case in cases:
         rec = run_case(case, args, folder, facts, data, prov)
@@ -524,6 +682,9 @@ def main(argv=None) -> int:
             brief.update({k: rec["load"].get(k) for k in ("load_path", "load_s", "gpu_peak_allocated_bytes",
                                                           "host_rss_peak_bytes", "host_anon_peak_bytes")})
         print("### case:", json.dumps(brief), flush=True)
+        for name, c in (rec.get("phase_comparison") or {}).items():
+            print(f"### {rec['case']} {name}:", json.dumps({k: v for k, v in c.items() if k.endswith("_over_est")}),
+                  flush=True)
     return 0
 
 

@@ -65,6 +65,25 @@ def test_smoke_trains_a_sharded_pretrained_folder_and_records_its_load(tmp_path)
     assert rec["est_peak_allocated_bytes"] > 0 and rec["est_peak_reserved_bytes"] > 0
     assert rec["est_weights_bytes"] < rec["folder"]["shard_bytes"] < 1.1 * rec["est_weights_bytes"]  # bf16 + headers
 
+    # every phase of the run, measured by wrappers of the loop's own functions, and `fitune merge` in a process of
+    # its own; each beside the estimate's phase of the same name
+    assert set(rec["phases"]) == {"eval_step", "save", "write_outputs"}
+    for name, phase in rec["phases"].items():
+        assert phase["calls"] >= 1 and phase["seconds"] > 0, name
+        assert phase["host_bytes"] > 0 and phase["host_anon_bytes"] > 0, name
+        assert phase["gpu_allocated_bytes"] is None, name  # the CPU
+    merge = rec["merge"]
+    assert merge["exit"] == 0 and merge["child_exit"] == 0, merge.get("log_tail")
+    assert merge["host_rss_peak_bytes"] > 0 and merge["merged_bytes"] > 0
+    assert not (out / "work" / "merged").exists()  # deleted after measuring (16 GB for 8B)
+    assert set(rec["est_run_phases"]) >= {"load", "train_step", "eval_step", "save", "merge"}
+    comparison = rec["phase_comparison"]
+    assert set(comparison) == {"load", "eval_step", "save", "write_outputs", "merge"}  # no GPU step peak on the CPU
+    assert comparison["write_outputs"]["est_phase"] == "save"
+    for name, c in comparison.items():
+        assert c["est_host_bytes"] > 0 and c["measured_host_bytes"] > 0, name
+        assert c["host_bytes_over_est"] == c["measured_host_bytes"] / c["est_host_bytes"], name
+
     # provenance
     assert rec["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", rec["commit"])
     assert rec["diff_sha256"] is None or re.fullmatch(r"([0-9a-f]{64})?", rec["diff_sha256"])

@@ -91,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--fitune-set", action="append", default=[], metavar="KEY=VALUE",
                    help="fitune: a setup key set in the written plan before training (YAML value, e.g. "
                         "offload_embeddings=true); the run's own estimate is then recorded from that config")
+    p.add_argument("--fitune-host-ram", metavar="NGiB",
+                   help="fitune: `fitune plan --host-ram` (the host RAM its plans must fit; default: the plan's own "
+                        "default, this machine's RAM when its GPU is here)")
     p.add_argument("--fitune-plan-at", type=int, metavar="N",
                    help="fitune: plan at N tokens and train that plan at the probe's length (with --fitune-set: a "
                         "technique the planner does not propose yet, on the plan it makes where it still fits)")
@@ -190,7 +193,8 @@ def _fitune_env() -> dict:
 
 def _plan_args(args, n: int) -> list[str]:
     return ["plan", args.model, "--gpu", args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
-            "--lora-targets", "all-linear", "--seq-len", str(n), "--batch-size", "1"]
+            "--lora-targets", "all-linear", "--seq-len", str(n), "--batch-size", "1"] + (
+        ["--host-ram", args.fitune_host_ram] if args.fitune_host_ram else [])
 
 
 def plan_choice(args, n: int) -> tuple[int | None, dict]:
@@ -235,6 +239,28 @@ def fitune_changes(args) -> dict:
         if not sep:
             raise SystemExit(f"--fitune-set {item!r}: write KEY=VALUE")
         out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def host_record(probe: str, plan_path: str) -> dict:
+    """The training process's host memory (its peak resident set, pinned buffers included, and the pinned
+    allocator's peak: bench.common.host_peaks, written by the probed child) beside `fitune estimate`'s host figures
+    of the config it ran (`host_peak_bytes`, `host_peak_phase`, and the training step's `host_bytes`)."""
+    try:
+        with open(probe, encoding="utf-8") as f:
+            seen = json.load(f)
+    except (OSError, ValueError):
+        seen = {}
+    out = {k: seen.get(k) for k in ("host_peak_rss_bytes", "host_pinned_peak_bytes")}
+    est = subprocess.run(_fitune_cmd() + ["estimate", "--config", plan_path, "--json"], capture_output=True, text=True,
+                         timeout=300, env=_fitune_env())
+    answer = json.loads(est.stdout) if est.returncode in (0, 2) and est.stdout.strip() else {}
+    out["est_host_peak_bytes"] = answer.get("host_peak_bytes")
+    out["est_host_peak_phase"] = answer.get("host_peak_phase")
+    out["est_train_step_host_bytes"] = next((p.get("host_bytes") for p in answer.get("run_phases") or []
+                                             if p.get("name") == "train_step"), None)
+    if out["host_peak_rss_bytes"] and out["est_host_peak_bytes"]:
+        out["host_peak_over_est"] = out["host_peak_rss_bytes"] / out["est_host_peak_bytes"]
     return out
 
 
@@ -318,6 +344,7 @@ def probe_fitune(args, n: int) -> None:
         lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
         rec["losses"] = [round(x["loss"], 4) for x in lines if "loss" in x][:64]
         rec["first_step_grad_norm"] = training_facts([], probe)["first_step_grad_norm"]
+        rec.update(host_record(probe, plan_path))
         lines = [x for x in lines if "step_time_s" in x]
         seconds = [x["step_time_s"] for x in lines]
         rec["steps_done"] = len(lines)
@@ -396,7 +423,8 @@ def _child_argv(args, n: int) -> list[str]:
             "--lora-rank", str(args.lora_rank), "--steps", str(args.steps), "--optim", args.optim,
             "--fitune-optimizer", args.fitune_optimizer] + (["--fitune-retries"] if args.fitune_retries else []) + [
             x for item in args.fitune_set for x in ("--fitune-set", item)] + (
-            ["--fitune-plan-at", str(args.fitune_plan_at)] if args.fitune_plan_at else []) + [
+            ["--fitune-plan-at", str(args.fitune_plan_at)] if args.fitune_plan_at else []) + (
+            ["--fitune-host-ram", args.fitune_host_ram] if args.fitune_host_ram else []) + [
             "--work", args.work, "--device", args.device,
             "--probe-timeout", str(args.probe_timeout)]
     if args.no_card_view:
