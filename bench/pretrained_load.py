@@ -154,13 +154,40 @@ def reset_host_peak() -> bool:
         return False
 
 
+WEIGHT_FILES = (".safetensors", ".gguf", ".bin")
+"""Files whose mapped pages are the model's weights read in place (page cache, which the kernel drops under
+pressure): what `fitune/memory/phases.py` leaves out of its host figures."""
+
+SMAPS_EVERY = 5
+"""/proc/self/smaps (every mapping: slower to read) is sampled once in this many samples."""
+
+
+def weight_files_mapped_bytes() -> int | None:
+    """Resident bytes of this process's mappings of weight files (`WEIGHT_FILES`), from /proc/self/smaps."""
+    total, counting = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                first = line.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):  # a mapping's header: address range ... [path]
+                    counting = line.rstrip().endswith(WEIGHT_FILES)
+                elif counting and first == "Rss:":
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return total
+
+
 class HostSampler(threading.Thread):
-    """The largest RssAnon, RssFile and VmRSS seen while it runs (sampled: a short spike can be missed)."""
+    """The largest RssAnon, RssFile and VmRSS seen while it runs (sampled: a short spike can be missed), and the
+    largest resident memory outside the mapped weight files (`no_weight_files`: VmRSS less their pages, sampled
+    every `SMAPS_EVERY` samples), the figure the estimate's host memory models."""
 
     def __init__(self):
         super().__init__(daemon=True)
-        self.peaks = {k: 0 for k in ("RssAnon", "RssFile", "VmRSS")}
+        self.peaks = {k: 0 for k in ("RssAnon", "RssFile", "VmRSS", "no_weight_files")}
         self._stop_event = threading.Event()
+        self._n = 0
 
     def run(self):
         while not self._stop_event.is_set():
@@ -169,8 +196,13 @@ class HostSampler(threading.Thread):
 
     def _sample(self):
         st = host_status()
-        for k in self.peaks:
+        for k in ("RssAnon", "RssFile", "VmRSS"):
             self.peaks[k] = max(self.peaks[k], st.get(k, 0))
+        if self._n % SMAPS_EVERY == 0:
+            mapped = weight_files_mapped_bytes()
+            if mapped is not None:
+                self.peaks["no_weight_files"] = max(self.peaks["no_weight_files"], host_status().get("VmRSS", 0) - mapped)
+        self._n += 1
 
     def stop(self) -> dict:
         self._stop_event.set()
@@ -404,7 +436,7 @@ def merge_child_main(case_dir: str, run_dir: str, merged: str, cap: str) -> int:
            "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
            "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
            "host_rss_peak_bytes": host_status().get("VmHWM"), "host_anon_peak_bytes": sampled["RssAnon"],
-           "host_file_peak_bytes": sampled["RssFile"],
+           "host_file_peak_bytes": sampled["RssFile"], "host_no_weight_files_peak_bytes": sampled["no_weight_files"],
            "merged_bytes": sum(os.path.getsize(os.path.join(merged, f)) for f in os.listdir(merged)
                                if f.endswith(".safetensors")) if os.path.isdir(merged) else None}
     with open(os.path.join(case_dir, "merge.json"), "w") as f:
@@ -420,11 +452,14 @@ def with_comparisons(rec: dict) -> dict:
     rec["step_allocated_over_est"] = ratio(rec.get("peak_allocated_bytes"), rec.get("est_peak_allocated_bytes"))
     rec["step_reserved_over_est"] = ratio(rec.get("peak_reserved_bytes"), rec.get("est_peak_reserved_bytes"))
     est = rec.get("est_run_phases") or {}
-    measured = dict(rec.get("phases") or {})
+    measured = {name: {**m, "host_rss_bytes": m.get("host_bytes"),
+                       "host_bytes": m.get("host_no_weight_files_bytes") or m.get("host_bytes")}
+                for name, m in (rec.get("phases") or {}).items()}
     if rec.get("load") and "load_error" not in rec["load"]:
         measured["load"] = {"gpu_allocated_bytes": rec["load"].get("gpu_peak_allocated_bytes"),
                             "gpu_reserved_bytes": rec["load"].get("gpu_peak_reserved_bytes"),
-                            "host_bytes": rec["load"].get("host_rss_peak_bytes"),
+                            "host_rss_bytes": rec["load"].get("host_rss_peak_bytes"),
+                            "host_bytes": rec["load"].get("host_no_weight_files_peak_bytes"),
                             "host_anon_bytes": rec["load"].get("host_anon_peak_bytes")}
     if rec.get("peak_allocated_bytes") is not None:
         measured["train_step"] = {"gpu_allocated_bytes": rec["peak_allocated_bytes"],
@@ -433,11 +468,12 @@ def with_comparisons(rec: dict) -> dict:
     if merge and merge.get("child_exit") == 0:
         measured["merge"] = {"gpu_allocated_bytes": merge.get("gpu_peak_allocated_bytes"),
                              "gpu_reserved_bytes": merge.get("gpu_peak_reserved_bytes"),
-                             "host_bytes": merge.get("host_rss_peak_bytes"),
+                             "host_rss_bytes": merge.get("host_rss_peak_bytes"),
+                             "host_bytes": merge.get("host_no_weight_files_peak_bytes"),
                              "host_anon_bytes": merge.get("host_anon_peak_bytes")}
     rec["phase_comparison"] = {
         name: {"est_phase": EST_PHASE.get(name, name),
-               **{f"measured_{k}": m.get(k) for k in (*PHASE_KEYS, "host_anon_bytes")},
+               **{f"measured_{k}": m.get(k) for k in (*PHASE_KEYS, "host_rss_bytes", "host_anon_bytes")},
                **{f"est_{k}": est.get(EST_PHASE.get(name, name), {}).get(k) for k in PHASE_KEYS},
                **{f"{k}_over_est": ratio(m.get(k), est.get(EST_PHASE.get(name, name), {}).get(k))
                   for k in PHASE_KEYS}}
@@ -498,7 +534,8 @@ def measured_phase(name: str, fn, phases: dict):
                    "gpu_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                    "gpu_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
                    "host_bytes": host_status().get("VmHWM") if reset_ok else sampled["VmRSS"],
-                   "host_exact": reset_ok, "host_anon_bytes": sampled["RssAnon"], "host_file_bytes": sampled["RssFile"]}
+                   "host_exact": reset_ok, "host_anon_bytes": sampled["RssAnon"], "host_file_bytes": sampled["RssFile"],
+                   "host_no_weight_files_bytes": sampled["no_weight_files"]}
             old = phases.get(name)
             phases[name] = now if old is None else {
                 k: (max(v, old.get(k) or 0) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
@@ -567,6 +604,7 @@ def child_main(case_dir: str, config: str) -> int:
             "host_anon_before_bytes": before.get("RssAnon"), "host_anon_peak_bytes": sampled["RssAnon"],
             "host_anon_growth_bytes": sampled["RssAnon"] - before.get("RssAnon", 0),
             "host_file_peak_bytes": sampled["RssFile"],
+            "host_no_weight_files_peak_bytes": sampled["no_weight_files"],
             "hf_device_map": None if device_map is None else {str(k): str(v) for k, v in device_map.items()},
             "parameters_on": placement,
             "linear4bit_modules": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),

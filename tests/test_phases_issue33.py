@@ -26,7 +26,8 @@ PER_LAYER = 2 * H * H + 2 * H * KV + 3 * H * I + 2 * H  # q, o; k, v; gate, up, 
 PARAMS = 2 * V * H + L * PER_LAYER + H  # embedding, lm_head, layers, final norm
 EMBED = V * H  # the largest tensor
 MLP = H * I  # the largest linear
-BASE = 2 * GiB  # the process's baseline (phases.HOST_RUNTIME_BASELINE_BYTES, a guess)
+BASE = 2 * GiB  # the training process's baseline (phases.HOST_RUNTIME_BASELINE_BYTES, measured 1.85-1.92 GiB)
+LOAD_BASE = int(0.81 * GiB)  # before training: load, and the merge / export processes (HOST_LOAD_BASELINE_BYTES)
 LORA_QV_R8 = L * 8 * ((H + H) + (H + KV))  # LoRA r8 on q_proj (h -> h) and v_proj (h -> kv): A and B
 
 
@@ -59,7 +60,7 @@ def test_the_hand_counts_are_the_models(llama):
 def test_load_from_a_folder_goes_straight_to_the_gpu(llama):
     _, p = _peaks(llama, TrainSetup(), source="folder")
     assert p["load"].gpu_allocated_bytes == 2 * PARAMS  # every bf16 weight copied to its place, no transient
-    assert p["load"].host_bytes == BASE + 4 * 2 * EMBED  # four tensors in flight (transformers' thread pool)
+    assert p["load"].host_bytes == LOAD_BASE  # the mapped shards are page cache, copied straight to the GPU
     assert p["load"].host_bytes < 2 * PARAMS  # the model is never whole in host RAM
     _, hub = _peaks(llama, TrainSetup(), source="hub")
     assert hub["load"].host_bytes == p["load"].host_bytes  # a Hub id is read from its cache snapshot, a folder
@@ -68,18 +69,18 @@ def test_load_from_a_folder_goes_straight_to_the_gpu(llama):
 def test_qlora_load_quantizes_one_linear_at_a_time(llama):
     _, p = _peaks(llama, TrainSetup(method="qlora"), source="folder")
     assert p["load"].gpu_allocated_bytes == NF4_WEIGHTS + 2 * MLP  # NF4 model + one bf16 MLP weight arriving
-    assert p["load"].host_bytes == BASE + 2 * EMBED  # no thread pool with on-the-fly quantization
+    assert p["load"].host_bytes == LOAD_BASE + 2 * MLP  # measured: +137 MB anonymous while quantizing
 
 
 def test_gguf_is_dequantized_whole_on_the_cpu(llama):
     _, p = _peaks(llama, TrainSetup(), source="gguf")
-    assert p["load"].host_bytes == BASE + 2 * PARAMS + 2 * 4 * EMBED  # state dict + fp32 array and its np.copy
+    assert p["load"].host_bytes == LOAD_BASE + 2 * PARAMS + 2 * 4 * EMBED  # state dict + fp32 array and its copy
     assert p["load"].host_bytes > 16 * GiB
 
 
 def test_random_weights_are_drawn_on_the_device(llama):
     _, p = _peaks(llama, TrainSetup(method="qlora"), source="random")
-    assert p["load"].host_bytes == BASE
+    assert p["load"].host_bytes == LOAD_BASE
     assert p["load"].gpu_allocated_bytes == NF4_WEIGHTS + 2 * (2 * H * H + 2 * H * KV + 3 * MLP)  # one bf16 layer
     with pytest.raises(ValueError, match="source 'disk'"):
         ph.load_host_bytes(llama, TrainSetup(), "disk")
@@ -165,18 +166,19 @@ def test_merge_lora_on_the_cpu_and_qlora_on_the_gpu(llama):
     _, lora = _peaks(llama, TrainSetup())
     adapter = 4 * LORA_QV_R8
     assert lora["merge"].gpu_allocated_bytes == 0
-    assert lora["merge"].host_bytes == BASE + 2 * PARAMS + adapter + 4 * MLP  # base, adapter, one fp32 delta
+    merged_qv = 2 * L * (H * H + H * KV)  # q_proj and v_proj rewritten (copy on write); the rest stays mapped
+    assert lora["merge"].host_bytes == LOAD_BASE + merged_qv + adapter + 4 * MLP  # + adapter, one fp32 delta
     _, q = _peaks(llama, TrainSetup(method="qlora"))
     assert q["merge"].gpu_allocated_bytes == 2 * PARAMS + adapter + 4 * MLP  # the whole model dequantized to bf16
     assert q["merge"].gpu_reserved_bytes == q["merge"].gpu_allocated_bytes + NF4_WEIGHTS  # freed NF4 stays cached
-    assert q["merge"].host_bytes == BASE + 5 * 10**9  # one 5 GB shard copied to the host by save_pretrained
+    assert q["merge"].host_bytes == LOAD_BASE + 5 * 10**9  # one 5 GB shard copied to the host by save_pretrained
     assert "merge" not in _peaks(llama, TrainSetup(method="full"))[1]  # nothing to merge
 
 
 def test_export_works_one_tensor_at_a_time(llama):
     _, p = _peaks(llama, TrainSetup())
-    assert p["export"].host_bytes == BASE + 8 * EMBED and p["export"].gpu_allocated_bytes == 0
-    assert ph.export_phase(llama, TrainSetup(), "q8_0").host_bytes == BASE + 16 * EMBED
+    assert p["export"].host_bytes == LOAD_BASE + 8 * EMBED and p["export"].gpu_allocated_bytes == 0
+    assert ph.export_phase(llama, TrainSetup(), "q8_0").host_bytes == LOAD_BASE + 16 * EMBED
 
 
 def test_the_worst_phase_is_named(llama):
@@ -185,7 +187,7 @@ def test_the_worst_phase_is_named(llama):
     peaks = ph.phase_peaks(s, llama, est)
     assert [p.name for p in peaks] == ["load", "train_step", "eval_step", "save", "merge", "export"]
     assert ph.worst_phase(peaks).name == "merge"  # the dequantized bf16 model (15 GiB) is more than training
-    assert ph.host_peak(peaks).name == "load"
+    assert ph.host_peak(peaks).name == "save"  # the adapter and an optimizer shard copied out, on the baseline
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ def test_estimate_json_adds_run_phases_and_keeps_the_step(capsys):
         assert {k for k in p if k != "name" and k != "note"} == {"gpu_allocated_bytes", "gpu_reserved_bytes",
                                                                  "host_bytes"}
     load = doc["run_phases"][0]
-    assert load["host_bytes"] == BASE + 2 * PARAMS + 8 * EMBED  # --source gguf
+    assert load["host_bytes"] == LOAD_BASE + 2 * PARAMS + 8 * EMBED  # --source gguf
     assert doc["worst_phase"] == "train_step" and doc["run_fits"] is False  # no checkpointing: 41.9 GiB
     assert doc["host_peak_phase"] == "load" and doc["host_peak_bytes"] == load["host_bytes"]
 
@@ -230,7 +232,7 @@ def test_plan_rejects_what_the_host_ram_cannot_hold(llama):
     from_gguf = dataclasses.replace(llama, gguf_weights_type="Q4_K")
     result = plan(PlanRequest(from_gguf, gpu, host_ram_bytes=host, methods=("lora",)))
     (r,) = [r for r in result.rejected if r.reason == "host_ram"]
-    need = BASE + 2 * PARAMS + 2 * 4 * EMBED  # the GGUF dequantized on the CPU
+    need = LOAD_BASE + 2 * PARAMS + 2 * 4 * EMBED  # the GGUF dequantized on the CPU
     assert r.message == (f"LoRA: loading needs {need / GiB:.2f} GiB of host RAM (the GGUF file dequantized on the "
                          "CPU) > 16.00 GiB --host-ram")
     full = plan(PlanRequest(llama, gpu, host_ram_bytes=host, methods=("full", "qlora")))
@@ -271,12 +273,14 @@ def test_meminfo_is_read_in_bytes():
 
 def test_train_refuses_a_clear_host_shortfall_before_loading(monkeypatch):
     monkeypatch.setattr(ph, "meminfo_bytes", lambda key, *a, **k: 4 * GiB if key == "MemAvailable" else None)
-    cfg = TrainConfig(model="llama-3.1-8b")  # bf16 LoRA from the Hub cache: 4 tensors in flight
-    (problem,) = needs.host_ram_problems(cfg, on_cuda=True)
-    need = (BASE + 4 * 2 * EMBED) / GiB
+    cfg = TrainConfig(model="llama-3.1-8b")  # bf16 LoRA from the Hub cache: straight from the mapped files
+    assert needs.host_ram_problems(cfg, on_cuda=True) == []  # 4 GiB are enough to load it onto the GPU
+    on_cpu = needs.host_ram_problems(cfg, on_cuda=False)  # on the CPU the model lives in host memory
+    (problem,) = on_cpu
+    need = (LOAD_BASE + 2 * PARAMS) / GiB
     assert problem.startswith(f"loading needs ~{need:.2f} GiB of host RAM (")
-    assert "4.00 GiB available: method: qlora loads one tensor at a time" in problem
-    assert needs.host_ram_problems(cfg, on_cuda=True, mem_available_bytes=64 * GiB) == []
+    assert "4.00 GiB available: train on a machine with a GPU" in problem
+    assert needs.host_ram_problems(cfg, on_cuda=False, mem_available_bytes=64 * GiB) == []
     spec = load_model_spec("llama-3.1-8b")
     from_gguf = (spec, "gguf", ph.phase_peaks(cfg.setup, spec, estimate(spec, cfg.setup), source="gguf"))
     (gguf,) = needs.host_ram_problems(cfg, on_cuda=True, mem_available_bytes=8 * GiB, phases=from_gguf)

@@ -9,7 +9,8 @@
 #                                          "unsloth@7.4GiB:5461,2972 unsloth@11.4GiB:30720,21848"
 #
 # An item is STACK@CAP:LENGTHS[:KEY=VALUE] (LENGTHS as --lengths: comma-separated, 'plan' = fitune plan's longest;
-# KEY=VALUE: fitune, a setup key set in the written plan, --fitune-set, or plan_at=N, --fitune-plan-at; several
+# KEY=VALUE: fitune, a setup key set in the written plan, --fitune-set, or plan_at=N, --fitune-plan-at, or
+# host_ram=NGiB, --fitune-host-ram (the host RAM fitune plan holds its plans to), or method=lora|qlora; several
 # joined by '+'). Unsloth runs
 # with its notebooks' optimizer (--optim adamw_8bit), fitune with its plan 1 (--fitune-optimizer any): each stack
 # at its own best. PEERS_BUDGET_S (default 560) bounds the whole call; an item starts only with 90 s left.
@@ -38,7 +39,12 @@ item() {  # item STACK@CAP:LENGTHS[:KEY=VALUE[,KEY=VALUE]]
   if [[ $lengths == *:* ]]; then
     local IFS=+
     for kv in ${lengths#*:}; do
-      if [[ $kv == plan_at=* ]]; then sets+=(--fitune-plan-at "${kv#plan_at=}"); else sets+=(--fitune-set "$kv"); fi
+      case $kv in
+        plan_at=*) sets+=(--fitune-plan-at "${kv#plan_at=}") ;;
+        host_ram=*) sets+=(--fitune-host-ram "${kv#host_ram=}") ;;
+        method=*) sets+=(--method "${kv#method=}") ;;
+        *) sets+=(--fitune-set "$kv") ;;
+      esac
     done
     unset IFS
     lengths=${lengths%%:*}

@@ -66,7 +66,7 @@ def hf_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: i
 
 
 def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_bytes: int, chunk_tokens: int = CHUNK_TOKENS,
-                 lm_head_trainable: bool = False, compiled: bool = False) -> Tensor:
+                 lm_head_trainable: bool = False, compiled: bool = False, grads: bool = True) -> Tensor:
     """fitune's chunked linear + cross-entropy (fitune/runtime/techniques/chunked_loss.py).
 
     Forward: the gradient with respect to the hidden states is computed along with the loss and kept
@@ -83,9 +83,21 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
     `compiled` (`compile: layers`): each chunk's softmax gradient is one compiled function
     (`chunked_loss.chunk_loss_and_grad`) from the model-dtype logits to a model-dtype gradient: no fp32 chunk, no
     separate cast; the logits go once it has run.
+
+    `grads=False` (an eval forward under `torch.no_grad()`: neither the hidden states nor the head need a gradient,
+    `ctx.needs_input_grad` is all False): no kept gradient and no compiled function; per chunk the model-dtype
+    logits and their fp32 copy exist at once (`(h @ weight.t()).float()`), then only the loss (measured on the GPU:
+    the eval step of bench/results/pretrained_load, 2 x 2048 tokens, was 0.27 GiB over the compiled-chunk model).
     """
     V, w, H = model.vocab_size, act_bytes, model.hidden_size
     n = min(tokens, chunk_tokens)
+    if not grads:
+        chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)
+        chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
+        ag.drop(chunk_bf16)
+        tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
+        ag.drop(chunk_fp32, tanh)
+        return ag.new(FP32, False, "loss", LOGITS)
     grad_h = ag.new(w * H * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
     grad_w = ag.new(FP32 * V * H, True, "chunked loss: d loss / d lm_head (fp32)", LOGITS) if lm_head_trainable else None
     chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)

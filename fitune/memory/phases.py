@@ -15,8 +15,9 @@ computed by a named function below whose docstring names the code path it models
     export      fitune/export/gguf.py `_write` / `_tensor_data` (`fitune export`, a GGUF file)
 
 Host bytes are what the process holds in RAM beyond the page cache (a memory-mapped safetensors file is page
-cache, which the kernel reclaims: not counted). Every host figure includes `HOST_RUNTIME_BASELINE_BYTES`, the
-interpreter with torch, CUDA and transformers loaded (a guess until measured).
+cache, which the kernel reclaims: not counted). Every host figure includes a measured baseline: the interpreter
+with torch, CUDA and transformers loaded, `HOST_LOAD_BASELINE_BYTES` before training (load, and the separate merge
+and export processes), `HOST_RUNTIME_BASELINE_BYTES` once the steps have run.
 
 Pure Python; no torch import.
 """
@@ -39,12 +40,14 @@ PHASES = ("load", "train_step", "eval_step", "save", "merge", "export")
 SOURCES = ("folder", "hub", "gguf", "random")
 
 HOST_RUNTIME_BASELINE_BYTES = 2 * GiB
-"""Resident memory of a training process before any weight: Python, torch with its CUDA libraries, transformers,
-PEFT, the tokenizer and the dataset. A guess until measured on the GPU machine."""
-LOAD_WORKERS = 4
-"""transformers/core_model_loading.py `GLOBAL_WORKERS = min(4, os.cpu_count())`: tensors read from the safetensors
-files by a thread pool of this many, each one read into host memory (`tensor[...]`) then copied to its device.
-With on-the-fly quantization (bitsandbytes NF4) the pool is off: one tensor at a time."""
+"""Resident memory of a training process once it trains, outside pinned buffers: Python, torch with its CUDA
+libraries and context, compiled kernels, transformers, PEFT, the tokenizer and the dataset. Measured at the eval
+step and the saves of 8B runs (bench/results/pretrained_load/phases: 1.85 to 1.92 GiB with `compile: layers`,
+H100, torch 2.11): rounded up."""
+HOST_LOAD_BASELINE_BYTES = int(0.81 * GiB)
+"""Resident memory of `fitune train` just before it loads the model (the CUDA context up, the tokenizer and data
+read, nothing compiled yet), and of a `fitune merge` process: 0.81 GiB in both 8B runs of
+bench/results/pretrained_load/phases (`host_rss_before_bytes`)."""
 CHECKPOINT_SHARD_BYTES = 2 * GiB
 """fitune/train/checkpoint.py `SHARD_BYTES`: the optimizer state is copied to the host one shard at a time."""
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
@@ -122,9 +125,11 @@ def load_host_bytes(m: ModelSpec, setup: TrainSetup, source: str, device: str = 
     """Host memory while the model loads (fitune/runtime/model.py `build_model`), baseline included.
 
     - folder / hub (a Hub id is read from its cache snapshot, a folder): `from_pretrained(device_map={"": device})`
-      reads each tensor from the memory-mapped safetensors file into host memory (`tensor[...]`) and copies it to
-      the GPU; the model is never whole in host RAM. At most `LOAD_WORKERS` tensors are in flight (one with
-      QLoRA's on-the-fly quantization): that many of the largest tensor at the run's dtype.
+      copies each tensor from the memory-mapped safetensors file to the GPU; the model is never whole in host RAM.
+      The mapped file's pages count in the process's RSS but are page cache, which the kernel drops under pressure
+      (16 GB of them for an 8B model): not counted. Measured (bench/results/pretrained_load/phases): bf16 weights
+      add 22 MB of anonymous memory to `HOST_LOAD_BASELINE_BYTES`; QLoRA's quantize-on-load 137 MB, about the
+      largest linear in bf16 (117 MB for Llama 3 8B's MLP), which is what is counted.
     - gguf: transformers dequantizes every tensor on the CPU first (modeling_gguf_pytorch_utils.py
       `load_gguf_checkpoint`: `dequantize` to an fp32 numpy array, `np.copy`, `.to(dtype)`), so the whole state
       dict at the run's dtype is in host memory, plus the fp32 array and its copy of the largest tensor. (This is
@@ -140,12 +145,12 @@ def load_host_bytes(m: ModelSpec, setup: TrainSetup, source: str, device: str = 
     largest = largest_tensor_numel(m) * weights.DTYPE_BYTES[dense]
     on_cpu = dense_weight_bytes(m, dense) if device == "cpu" else 0
     if source == "random":
-        return HOST_RUNTIME_BASELINE_BYTES + on_cpu
+        return HOST_LOAD_BASELINE_BYTES + on_cpu
     if source == "gguf":
         fp32_pair = 2 * 4 * largest_tensor_numel(m)
-        return HOST_RUNTIME_BASELINE_BYTES + dense_weight_bytes(m, dense) + fp32_pair
-    in_flight = 1 if setup.method == "qlora" else LOAD_WORKERS
-    return HOST_RUNTIME_BASELINE_BYTES + on_cpu + in_flight * largest
+        return HOST_LOAD_BASELINE_BYTES + dense_weight_bytes(m, dense) + fp32_pair
+    quantizing = 2 * largest_linear_numel(m) if setup.method == "qlora" else 0
+    return HOST_LOAD_BASELINE_BYTES + on_cpu + quantizing
 
 
 def load_gpu_bytes(m: ModelSpec, setup: TrainSetup, source: str) -> int:
@@ -210,8 +215,8 @@ def eval_forward_events(m: ModelSpec, setup: TrainSetup, rows_tokens: int) -> li
     layer ops as the training step (layers.py `decoder_layer`), but nothing is saved for backward (an Autograd
     with `keep_saved=False`, as inside a checkpointed forward) and no layer is checkpointed (transformers
     checkpoints only in training mode). The loss is the run's: hf (loss.py `hf_loss`: the model-dtype logits, their
-    fp32 copy and the fp32 log-softmax live at once) or chunked (loss.py `chunked_loss`: its autograd Function
-    computes the hidden-state gradient in its forward even under no_grad)."""
+    fp32 copy and the fp32 log-softmax live at once) or chunked (loss.py `chunked_loss(grads=False)`: under no_grad
+    nothing needs a gradient, so each chunk's logits and their fp32 copy, eager even with `compile: layers`)."""
     from . import loss as loss_terms, overheads
     from .autograd import Autograd
     from .estimate import LEAN_NORM_ROWS, TILE_TOKENS, _sliding_layers
@@ -241,7 +246,7 @@ def eval_forward_events(m: ModelSpec, setup: TrainSetup, rows_tokens: int) -> li
     h = rms_norm(ag, ctx, x, m.hidden_size, "final_norm", m.rms_norm_one_plus_weight)
     ag.drop(x)
     if s.loss == "chunked":
-        loss = loss_terms.chunked_loss(ag, m, h, tokens, w, compiled=s.compile == "layers")
+        loss = loss_terms.chunked_loss(ag, m, h, tokens, w, compiled=s.compile == "layers", grads=False)
     else:
         loss = loss_terms.hf_loss(ag, m, h, tokens, w, lm_head_trainable=False)
     ag.drop(h)
@@ -324,9 +329,13 @@ def merge_phase(m: ModelSpec, setup: TrainSetup) -> PhasePeak | None:
     """`fitune merge` (fitune/infer/merge.py `merge_run`), a process of its own; None for full / freeze (nothing to
     merge).
 
-    LoRA: on the CPU (`device=None` -> "cpu"): the base loaded whole into host memory at the run's dtype
-    (`load_run`), the fp32 adapter, and PEFT's `merge_and_unload` one linear at a time (`get_delta_weight`: B @ A,
-    an fp32 out x in temporary); `save_pretrained` of CPU tensors copies nothing more.
+    LoRA: on the CPU (`device=None` -> "cpu"): the base loaded at the run's dtype (`load_run`) stays in the
+    memory-mapped safetensors files (page cache, not counted, as in `load_host_bytes`; a base stored in another
+    dtype than the run's would be converted into anonymous memory, whole: not modelled, Hub checkpoints of the
+    catalog are bf16); PEFT's `merge_and_unload` writes the merged weight of every targeted linear (copy on write:
+    those become anonymous memory), one fp32 delta at a time (`get_delta_weight`: B @ A, out x in), beside the
+    fp32 adapter; `save_pretrained` of CPU tensors copies nothing more. Measured (bench/results/pretrained_load/
+    phases, 8B r8 on q,v): 1.98 GiB anonymous at the peak.
     QLoRA: on CUDA (bitsandbytes dequantizes there): the NF4 base (`build_model`), then `dequantize_nf4` replaces
     each NF4 linear with a bf16 one: the whole model becomes bf16 on the GPU, the freed NF4 blocks (a quarter of
     the size) stay in the allocator's cache, which the larger bf16 blocks cannot reuse (reserved: NF4 + bf16); the
@@ -339,13 +348,26 @@ def merge_phase(m: ModelSpec, setup: TrainSetup) -> PhasePeak | None:
     delta = 4 * largest_linear_numel(m)
     dense = dense_weight_bytes(m, _dense_dtype(setup))
     if setup.method == "lora":
-        return PhasePeak("merge", 0, 0, HOST_RUNTIME_BASELINE_BYTES + dense + adapter + delta,
-                         f"fitune merge on the CPU: the {setup.dtype} base whole in host memory")
+        merged = merged_linear_bytes(m, setup)
+        return PhasePeak("merge", 0, 0, HOST_LOAD_BASELINE_BYTES + merged + adapter + delta,
+                         f"fitune merge on the CPU: the {setup.dtype} base mapped from its files, the merged "
+                         "linears rewritten in host memory")
     nf4 = model_weight_bytes(m, setup)
     allocated = dense + adapter + delta
-    host = HOST_RUNTIME_BASELINE_BYTES + min(dense, MERGE_SHARD_BYTES)
+    host = HOST_LOAD_BASELINE_BYTES + min(dense, MERGE_SHARD_BYTES)
     return PhasePeak("merge", allocated, allocated + nf4, host,
                      "fitune merge on the GPU: the NF4 base dequantized, the whole model in bf16 on the GPU")
+
+
+def merged_linear_bytes(m: ModelSpec, setup: TrainSetup) -> int:
+    """The weights `merge_and_unload` rewrites: every linear LoRA targets, over all layers, at the run's dtype."""
+    targets = adapters.lora_targets(m, setup)
+    w = weights.DTYPE_BYTES[_dense_dtype(setup)]
+
+    def per_layer(moe: bool) -> int:
+        return sum(lin.in_features * lin.out_features for lin in m.linears(moe) if lin.name in targets)
+
+    return w * (per_layer(False) * m.dense_layers + per_layer(True) * m.moe_layers)
 
 
 def export_phase(m: ModelSpec, setup: TrainSetup, qtype: str = "f16") -> PhasePeak:
@@ -354,7 +376,7 @@ def export_phase(m: ModelSpec, setup: TrainSetup, qtype: str = "f16") -> PhasePe
     `np.abs(...).max()`, then the f16 or q8_0 array) and written at once; the largest tensor's working set
     (`EXPORT_F16_BYTES_PER_ELEMENT` or `EXPORT_Q8_0_BYTES_PER_ELEMENT` per element) is the peak."""
     per = EXPORT_F16_BYTES_PER_ELEMENT if qtype == "f16" else EXPORT_Q8_0_BYTES_PER_ELEMENT
-    return PhasePeak("export", 0, 0, HOST_RUNTIME_BASELINE_BYTES + per * largest_tensor_numel(m),
+    return PhasePeak("export", 0, 0, HOST_LOAD_BASELINE_BYTES + per * largest_tensor_numel(m),
                      f"fitune export ({qtype}) on the CPU, one tensor at a time")
 
 
@@ -444,6 +466,6 @@ def run_host_floor(m: ModelSpec, setup: TrainSetup, source: str) -> tuple[int, s
     final = HOST_RUNTIME_BASELINE_BYTES + final_output_host_bytes(m, setup)
     if load >= final:
         why = ("the GGUF file dequantized on the CPU" if source == "gguf"
-               else "the process and the tensors in flight to the GPU")
+               else "the process, the weights read from their mapped files straight to the GPU")
         return load, "loading", why
     return final, "saving", "save_pretrained copies the whole model to the host"

@@ -175,7 +175,7 @@ def host_ram_problems(cfg, on_cuda: bool, mem_available_bytes: int | None = None
     """What stops the run for host memory, said before loading: the load phase's or the training step's host bytes
     (fitune/memory/phases.py) clearly over MemAvailable (`HOST_SHORTFALL_RATIO`, `HOST_MODEL_SHARE_MIN_BYTES`).
     `mem_available_bytes`: /proc/meminfo MemAvailable when None (no check where there is none)."""
-    from ..memory.phases import HOST_RUNTIME_BASELINE_BYTES, meminfo_bytes
+    from ..memory.phases import HOST_LOAD_BASELINE_BYTES, HOST_RUNTIME_BASELINE_BYTES, meminfo_bytes
     from ..units import gib
 
     available = meminfo_bytes("MemAvailable") if mem_available_bytes is None else mem_available_bytes
@@ -188,7 +188,8 @@ def host_ram_problems(cfg, on_cuda: bool, mem_available_bytes: int | None = None
         if p.name not in ("load", "train_step"):
             continue
         clear = (p.host_bytes > HOST_SHORTFALL_RATIO * available
-                 and p.host_bytes - HOST_RUNTIME_BASELINE_BYTES >= HOST_MODEL_SHARE_MIN_BYTES)
+                 and p.host_bytes - (HOST_LOAD_BASELINE_BYTES if p.name == "load" else HOST_RUNTIME_BASELINE_BYTES)
+                 >= HOST_MODEL_SHARE_MIN_BYTES)
         if clear:
             problems.append(f"{'loading' if p.name == 'load' else 'the training step'} needs ~{gib(p.host_bytes)} of "
                             f"host RAM ({p.note}), {gib(available)} available: {_host_fix(cfg, p.name, source, on_cuda)}")
@@ -206,8 +207,6 @@ def _host_fix(cfg, phase: str, source: str, on_cuda: bool) -> str:
     if source == "gguf":
         return ("point model: at the model's safetensors folder or Hub id instead of the .gguf file (transformers "
                 "dequantizes a whole GGUF on the CPU first; a folder loads straight onto the GPU), " + close)
-    if cfg.setup.method != "qlora":
-        return "method: qlora loads one tensor at a time instead of four, " + close
     return close
 
 
