@@ -163,7 +163,9 @@ SMAPS_EVERY = 5
 
 
 def weight_files_mapped_bytes() -> int | None:
-    """Resident bytes of this process's mappings of weight files (`WEIGHT_FILES`), from /proc/self/smaps."""
+    """Resident file-backed bytes of this process's mappings of weight files (`WEIGHT_FILES`), from
+    /proc/self/smaps: each mapping's Rss less its Anonymous pages (a page written through a private mapping, as a
+    merge writes the merged weights in place, is copied: anonymous memory, which counts)."""
     total, counting = 0, False
     try:
         with open("/proc/self/smaps") as f:
@@ -173,6 +175,8 @@ def weight_files_mapped_bytes() -> int | None:
                     counting = line.rstrip().endswith(WEIGHT_FILES)
                 elif counting and first == "Rss:":
                     total += int(line.split()[1]) * 1024
+                elif counting and first == "Anonymous:":
+                    total -= int(line.split()[1]) * 1024
     except OSError:
         return None
     return total
@@ -412,6 +416,61 @@ def run_merge_child(case_dir: str, run_dir: str, args) -> dict:
     return out
 
 
+MERGE_STAGES = (("fitune.runtime.model", "build_model", "base built"),
+                ("fitune.infer.merge", "dequantize_nf4", "NF4 dequantized"),
+                ("peft", "PeftModel.from_pretrained", "adapter loaded"),
+                ("peft.tuners.tuners_utils", "BaseTuner.merge_and_unload", "merged"),
+                ("fitune.infer.merge", "_write", "written"))
+"""The steps of `fitune merge` whose GPU memory is recorded (module, attribute, stage): what stays allocated after
+each, and the peak since the one before (functions looked up by name when called, so the wrappers run)."""
+
+
+def staged_merge(stages: list, cuda: bool):
+    """Wrap `MERGE_STAGES`; each appends {stage, seconds, gpu_allocated_after_bytes, gpu_peak_since_last_bytes}
+    (the largest of these peaks is kept in `stages`' last entry, "overall", by the returned function, which puts
+    the originals back)."""
+    import importlib
+
+    import torch
+
+    undo = []
+    overall = [0, 0]  # allocated, reserved
+    for module_name, attr, stage in MERGE_STAGES:
+        owner = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name]
+        func = original.__func__ if isinstance(original, classmethod) else original
+
+        def wrapper(*a, _func=func, _stage=stage, **kw):
+            t0 = time.perf_counter()
+            out = _func(*a, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            stages.append({"stage": _stage, "seconds": time.perf_counter() - t0,
+                           "gpu_allocated_after_bytes": torch.cuda.memory_allocated() if cuda else None,
+                           "gpu_peak_since_last_bytes": torch.cuda.max_memory_allocated() if cuda else None})
+            if cuda:
+                overall[:] = [max(overall[0], torch.cuda.max_memory_allocated()),
+                              max(overall[1], torch.cuda.max_memory_reserved())]
+                torch.cuda.reset_peak_memory_stats()
+            return out
+
+        setattr(owner, name, classmethod(wrapper) if isinstance(original, classmethod) else wrapper)
+        undo.append((owner, name, original))
+
+    def restore():
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+        if cuda:
+            overall[:] = [max(overall[0], torch.cuda.max_memory_allocated()),
+                          max(overall[1], torch.cuda.max_memory_reserved())]
+        stages.append({"stage": "overall", "gpu_peak_allocated_bytes": overall[0] if cuda else None,
+                       "gpu_peak_reserved_bytes": overall[1] if cuda else None})
+    return restore
+
+
 def merge_child_main(case_dir: str, run_dir: str, merged: str, cap: str) -> int:
     """The merge child: the allocator capped as `cap: CAP` caps training, then `fitune merge` in this process."""
     import torch
@@ -426,17 +485,22 @@ def merge_child_main(case_dir: str, run_dir: str, merged: str, cap: str) -> int:
     sampler = HostSampler()
     sampler.start()
     t0 = time.perf_counter()
+    stages: list = []
+    undo = staged_merge(stages, cuda)
     try:
         code = fitune_main(["merge", run_dir, "--out", merged])
         error = None
     except BaseException as exc:  # noqa: BLE001 - an OOM under the cap is a finding: recorded
         code, error = 1, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    finally:
+        undo()
     sampled = sampler.stop()
     rec = {"merge_s": time.perf_counter() - t0, "child_exit": code, **({"error": error} if error else {}),
-           "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-           "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+           "gpu_peak_allocated_bytes": stages[-1]["gpu_peak_allocated_bytes"],
+           "gpu_peak_reserved_bytes": stages[-1]["gpu_peak_reserved_bytes"],
            "host_rss_peak_bytes": host_status().get("VmHWM"), "host_anon_peak_bytes": sampled["RssAnon"],
            "host_file_peak_bytes": sampled["RssFile"], "host_no_weight_files_peak_bytes": sampled["no_weight_files"],
+           "stages": stages,
            "merged_bytes": sum(os.path.getsize(os.path.join(merged, f)) for f in os.listdir(merged)
                                if f.endswith(".safetensors")) if os.path.isdir(merged) else None}
     with open(os.path.join(case_dir, "merge.json"), "w") as f:

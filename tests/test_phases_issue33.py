@@ -27,7 +27,7 @@ PARAMS = 2 * V * H + L * PER_LAYER + H  # embedding, lm_head, layers, final norm
 EMBED = V * H  # the largest tensor
 MLP = H * I  # the largest linear
 BASE = 2 * GiB  # the training process's baseline (phases.HOST_RUNTIME_BASELINE_BYTES, measured 1.85-1.92 GiB)
-LOAD_BASE = int(0.81 * GiB)  # before training: load, and the merge / export processes (HOST_LOAD_BASELINE_BYTES)
+LOAD_BASE = int(1.23 * GiB)  # before training: load, and the merge / export processes (HOST_LOAD_BASELINE_BYTES)
 LORA_QV_R8 = L * 8 * ((H + H) + (H + KV))  # LoRA r8 on q_proj (h -> h) and v_proj (h -> kv): A and B
 
 
@@ -69,7 +69,7 @@ def test_load_from_a_folder_goes_straight_to_the_gpu(llama):
 def test_qlora_load_quantizes_one_linear_at_a_time(llama):
     _, p = _peaks(llama, TrainSetup(method="qlora"), source="folder")
     assert p["load"].gpu_allocated_bytes == NF4_WEIGHTS + 2 * MLP  # NF4 model + one bf16 MLP weight arriving
-    assert p["load"].host_bytes == LOAD_BASE + 2 * MLP  # measured: +137 MB anonymous while quantizing
+    assert p["load"].host_bytes == LOAD_BASE + 2 * MLP  # measured: about 0.1 GB more than bf16
 
 
 def test_gguf_is_dequantized_whole_on_the_cpu(llama):

@@ -75,6 +75,7 @@ def test_smoke_trains_a_sharded_pretrained_folder_and_records_its_load(tmp_path)
     merge = rec["merge"]
     assert merge["exit"] == 0 and merge["child_exit"] == 0, merge.get("log_tail")
     assert merge["host_rss_peak_bytes"] > 0 and merge["merged_bytes"] > 0
+    assert [x["stage"] for x in merge["stages"]] == ["base built", "adapter loaded", "merged", "written", "overall"]
     assert not (out / "work" / "merged").exists()  # deleted after measuring (16 GB for 8B)
     assert set(rec["est_run_phases"]) >= {"load", "train_step", "eval_step", "save", "merge"}
     comparison = rec["phase_comparison"]

@@ -44,10 +44,11 @@ HOST_RUNTIME_BASELINE_BYTES = 2 * GiB
 libraries and context, compiled kernels, transformers, PEFT, the tokenizer and the dataset. Measured at the eval
 step and the saves of 8B runs (bench/results/pretrained_load/phases: 1.85 to 1.92 GiB with `compile: layers`,
 H100, torch 2.11): rounded up."""
-HOST_LOAD_BASELINE_BYTES = int(0.81 * GiB)
-"""Resident memory of `fitune train` just before it loads the model (the CUDA context up, the tokenizer and data
-read, nothing compiled yet), and of a `fitune merge` process: 0.81 GiB in both 8B runs of
-bench/results/pretrained_load/phases (`host_rss_before_bytes`)."""
+HOST_LOAD_BASELINE_BYTES = int(1.23 * GiB)
+"""Resident memory of `fitune train` while it loads the model, outside the mapped weight files (the CUDA context
+up, the tokenizer and data read, CUDA's libraries paged in by the first copies, nothing compiled yet); also the
+baseline of the separate `fitune merge` and `fitune export` processes. Measured: 1.23 GiB at the end of loading
+8B in bf16 (bench/results/pretrained_load/phases, `host_no_weight_files_peak_bytes`; 0.81 GiB before it)."""
 CHECKPOINT_SHARD_BYTES = 2 * GiB
 """fitune/train/checkpoint.py `SHARD_BYTES`: the optimizer state is copied to the host one shard at a time."""
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
@@ -128,8 +129,8 @@ def load_host_bytes(m: ModelSpec, setup: TrainSetup, source: str, device: str = 
       copies each tensor from the memory-mapped safetensors file to the GPU; the model is never whole in host RAM.
       The mapped file's pages count in the process's RSS but are page cache, which the kernel drops under pressure
       (16 GB of them for an 8B model): not counted. Measured (bench/results/pretrained_load/phases): bf16 weights
-      add 22 MB of anonymous memory to `HOST_LOAD_BASELINE_BYTES`; QLoRA's quantize-on-load 137 MB, about the
-      largest linear in bf16 (117 MB for Llama 3 8B's MLP), which is what is counted.
+      add 22 MB of anonymous memory; QLoRA's quantize-on-load about 0.1 GB more than bf16, about the largest linear
+      in bf16 (117 MB for Llama 3 8B's MLP), which is what is counted on `HOST_LOAD_BASELINE_BYTES`.
     - gguf: transformers dequantizes every tensor on the CPU first (modeling_gguf_pytorch_utils.py
       `load_gguf_checkpoint`: `dequantize` to an fp32 numpy array, `np.copy`, `.to(dtype)`), so the whole state
       dict at the run's dtype is in host memory, plus the fp32 array and its copy of the largest tensor. (This is
