@@ -54,7 +54,7 @@ def test_the_preflight_lives_above_the_spine_and_config_still_answers(tmp_path):
     problems = preflight.preflight_problems(cfg)
     assert any("without a config.json" in p for p in problems)  # fitune.config.source_problems
     assert any(str(data) in p for p in problems)  # the data peek (fitune.data), above the spine
-    assert config.preflight_problems(cfg) == problems  # the forwarder kept for its callers (TRANSITIONAL)
+    assert not hasattr(config, "preflight_problems")  # one place: the spine keeps no forwarder to it
 
 
 # ---- the doctor's constants --------------------------------------------------------------------------------------
