@@ -1,6 +1,6 @@
 """fitune merge of a QLoRA run, on the CPU with a stand-in for bitsandbytes (its dequantize kernels need CUDA):
 `dequantize_nf4` frees each NF4 linear as soon as it is replaced (the 8B merge measured on the GPU held every NF4
-weight to the end through a list of the modules: bench/results/pretrained_load/phases), and a model whose
+weight to the end, through bitsandbytes' reference cycle: bench/results/pretrained_load/phases), and a model whose
 quantization markers are cleared can be cast with `.to(dtype)` (transformers refuses it for a bitsandbytes model:
 the GPU run's "You cannot cast a bitsandbytes model in a new `dtype`")."""
 
@@ -17,13 +17,15 @@ from fitune.infer.merge import _forget_quantization, dequantize_nf4  # noqa: E40
 
 
 class FakeLinear4bit(torch.nn.Module):
-    """What `dequantize_nf4` reads of bitsandbytes' Linear4bit: in/out features, bias, weight.data / quant_state."""
+    """What `dequantize_nf4` reads of bitsandbytes' Linear4bit: in/out features, bias, weight.data / quant_state,
+    and the reference cycle bitsandbytes makes (`Params4bit(module=self)`: the weight points back at its module)."""
 
     def __init__(self, n_in, n_out, seed):
         super().__init__()
         self.in_features, self.out_features = n_in, n_out
         self.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
         self.weight.quant_state = torch.Generator().manual_seed(seed)
+        self.weight.module = self
         self.bias = None
 
 

@@ -154,10 +154,12 @@ def _forget_quantization(model) -> None:
 
 def dequantize_nf4(model, dtype) -> int:
     """Replace every bitsandbytes `Linear4bit` in `model` with an `nn.Linear` holding its dequantized weights (in
-    place, on the layer's device); how many. CUDA only (bitsandbytes' dequantize kernels). The modules are found
-    by name first and no reference to a replaced one is kept, so each NF4 block is freed as soon as its linear is
-    replaced (a list of the modules would hold every NF4 weight until the end: 3.5 GiB more at the peak for 8B,
-    measured in bench/results/pretrained_load/phases)."""
+    place, on the layer's device); how many. CUDA only (bitsandbytes' dequantize kernels). Each NF4 block is freed
+    as soon as its linear is replaced: the modules are found by name (no list of them is kept), and the reference
+    cycle bitsandbytes makes (`Linear4bit.weight.module` is the Linear4bit itself, bitsandbytes/nn/modules.py
+    `Params4bit(module=self)`) is broken, since reference counting alone never frees a cycle and the garbage
+    collector runs when it likes: kept, every NF4 weight stayed allocated to the end, 3.5 GiB more at the merge's
+    peak for 8B (bench/results/pretrained_load/phases, call 2)."""
     import bitsandbytes as bnb
     import torch
 
@@ -174,6 +176,8 @@ def dequantize_nf4(model, dtype) -> int:
             if child.bias is not None:
                 plain.bias.copy_(child.bias.to(dtype))
         setattr(parent, child_name, plain)
+        if getattr(child.weight, "module", None) is child:
+            child.weight.module = None  # the cycle Linear4bit -> Params4bit -> Linear4bit
         del child, weight, plain
     return len(names)
 
