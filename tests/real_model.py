@@ -15,6 +15,7 @@ install it.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -41,8 +42,23 @@ def gguf_path() -> str | None:
 def model_folder() -> str:
     """A Hugging Face folder of the real model (fp32 weights dequantized from the GGUF), made once and cached."""
     folder = os.path.join(CACHE, FOLDER_NAME)
-    if os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(os.path.join(folder, "done")):
+    if _made(folder):
         return folder
+    os.makedirs(CACHE, exist_ok=True)
+    # the test workers (pytest -n 2) share the cache: one makes the folder while the other waits for it, so no
+    # worker ever replaces a folder another one is reading
+    with open(os.path.join(CACHE, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _made(folder):
+            _make_folder(folder)
+    return folder
+
+
+def _made(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(os.path.join(folder, "done"))
+
+
+def _make_folder(folder: str) -> None:
     path = gguf_path()
     if path is None:
         raise FileNotFoundError(f"{GGUF_NAME} not found: {INSTALL}")
@@ -71,9 +87,7 @@ def model_folder() -> str:
     with open(os.path.join(tmp, "done"), "w") as f:
         f.write(f"made from {path}\n")
     shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(CACHE, exist_ok=True)
     os.replace(tmp, folder)
-    return folder
 
 
 def missing_reason() -> str | None:
