@@ -179,7 +179,9 @@ def load_phase(m: ModelSpec, setup: TrainSetup, source: str, device: str = "cuda
            "hub": "read from the Hub cache snapshot straight onto the GPU",
            "gguf": "every GGUF tensor dequantized on the CPU first (the whole state dict in host memory)",
            "random": "random weights drawn on the device"}[source]
-    if setup.method == "qlora" and source != "random":
+    if device == "cpu":
+        how = {"gguf": how}.get(source, "on the CPU: the whole model in host memory")
+    elif setup.method == "qlora" and source != "random":
         how += ", each linear quantized to NF4 on the GPU as it arrives"
     if setup.num_gpus > 1 or setup.strategy != "ddp":
         how += (f"; per rank, as one GPU loads (the strategy's own loading is not modelled; {setup.num_gpus} ranks "
