@@ -191,9 +191,24 @@ def host_ram_note(root: str) -> str:
             f"{_n(second['seq_len_tokens'])}-token run measured next in the same process peaked at "
             f"{second['host_rss_peak_bytes'] / gib:.1f} GiB: PyTorch {torch_minor} rounds each layer's {block / gib:.2f} GiB "
             f"block up to {rounded / gib:.0f} GiB ({layers} x {rounded / gib:.0f} GiB), and the first run's blocks "
-            f"stayed cached. With PyTorch 2.13+ fitune asks for exact-size blocks: estimated {est(second)} in a fresh "
-            "process, not measured yet. `fitune plan` now holds plans to the host RAM (this machine's, else 64 GiB "
-            f"assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}.")
+            f"stayed cached. {today_context_note(root)} `fitune plan` holds plans to the host RAM (this machine's, else "
+            f"64 GiB assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}, "
+            f"{_link('bench/results/issue33/context')}.")
+
+
+def today_context_note(root: str) -> str:
+    """The plan's longest QLoRA context for 64 GiB of host RAM, run by `fitune train` in a fresh process on the
+    code of its record (bench/results/issue33/context): its GPU and host peaks against the estimate."""
+    gib = 2 ** 30
+    (r,) = [x for x in _lines(root, "bench", "results", "issue33", "context", "max_context.jsonl") if x.get("probe")]
+    assert r["fits"] and r["oom_guard_replans"] == 0, r
+    return (f"On today's code (commit {r['provenance']['commit'][:7]}), `fitune plan --host-ram 64GiB`'s longest, "
+            f"{_n(r['seq_len_tokens'])} tokens, trained in a fresh process within the card "
+            f"({r['peak_allocated_bytes'] / gib:.2f} GiB allocated, estimated {r['est_peak_allocated_bytes'] / gib:.2f}; "
+            f"no allocator retry) and peaked at {r['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM: "
+            f"{r['host_pinned_peak_bytes'] / gib:.1f} GiB of pinned blocks rounded by PyTorch 2.11, against "
+            f"{r['est_host_peak_bytes'] / gib:.1f} GiB estimated with 2.13's exact-size blocks (not measured): where "
+            "the machine's PyTorch is older than 2.13, `fitune plan` counts the rounded blocks and plans shorter.")
 
 
 def render_accuracy(root: str) -> str:

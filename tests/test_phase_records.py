@@ -1,5 +1,5 @@
 """Every phase of a real 8B run (issue 33) measured on the GPU machine against today's estimate of the same config:
-bench/results/pretrained_load/phases/call2 (bench/pretrained_load.py; Llama-3.1-8B-shaped folder of sharded
+bench/results/pretrained_load/phases/call3 (bench/pretrained_load.py; Llama-3.1-8B-shaped folder of sharded
 safetensors, `fitune plan --write` then `fitune train` under the 24 GB card's cap, 4 steps, an eval pass, a
 checkpoint, the adapter, then `fitune merge` in a process of its own). The estimate is recomputed here from each
 record's own train config with the code as it is now, so a change to the model is checked against what was
@@ -13,12 +13,11 @@ import pytest
 from fitune.config import config_keys_in
 from fitune.memory.estimate import estimate
 from fitune.memory.phases import phase_peaks
-from fitune.schema import load_config_file
 from fitune.setup import TrainSetup
 from fitune.specs import load_model_spec, resolve_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CALL = os.path.join(ROOT, "bench", "results", "pretrained_load", "phases", "call2")
+CALL = os.path.join(ROOT, "bench", "results", "pretrained_load", "phases", "call3")
 GiB = 1024**3
 
 
@@ -30,8 +29,7 @@ def _records() -> dict[str, dict]:
 def _estimate(case: str) -> dict:
     """Today's phase peaks of the config the case ran, as `fitune estimate --config` reads it (its model folder
     held the catalog's llama-3.1-8b config.json, the source of its weights: a folder)."""
-    path = os.path.join(CALL, f"{case}_config.yaml")
-    _, values = config_keys_in(load_config_file(path), path)
+    _, values = config_keys_in(_records()[case]["train_config"], f"{case}'s train_config")
     setup = TrainSetup(**{"stack": "fitune", **values})
     spec = load_model_spec("llama-3.1-8b")
     est = estimate(spec, setup, resolve_gpu("rtx4090"))
@@ -57,7 +55,7 @@ def _measured(rec: dict) -> dict[str, dict]:
 def test_the_records_are_the_8b_runs_of_one_commit():
     recs = _records()
     assert set(recs) == {"lora", "qlora"}
-    assert {r["commit"] for r in recs.values()} == {"fcde9eb63542630f7aa6fc3d81dd48ffaf1a13a2"}
+    assert {r["commit"] for r in recs.values()} == {"c09075a434768c922e5cdc36cf7b5a259ae0376f"}
     for r in recs.values():
         assert r["exit"] == 0 and r["child_exit"] == 0 and r["steps_done"] == 4
         assert r["versions"]["gpu"].startswith("NVIDIA") and r["cap"] == "rtx4090"
@@ -80,11 +78,19 @@ def test_each_phase_of_fitune_train_is_within_the_goal(case, phase):
         assert abs(host) <= 0.10, f"host {host:+.2%}"
 
 
-def test_qlora_merge_host_is_within_the_goal_and_its_gpu_peak_was_the_reference_cycle():
-    rec, est = _records()["qlora"], _estimate("qlora")["merge"]
+@pytest.mark.parametrize("case", ["lora", "qlora"])
+def test_fitune_merge_is_within_the_goal(case):
+    """QLoRA: on the GPU, once bitsandbytes' reference cycle is broken (call 2, before it: +21.7 % allocated, every
+    NF4 linear kept); LoRA: on the CPU, its host memory counting the merged weights written through the files'
+    private mappings (HOST_CPU_BASELINE_BYTES was fitted to this run: its check is not independent)."""
+    rec, est = _records()[case], _estimate(case)["merge"]
     merge = rec["merge"]
+    assert merge["child_exit"] == 0 and merge["merged_bytes"] > 14.9 * GiB  # the bf16 model written (14.96 GiB)
     assert abs(merge["host_no_weight_files_peak_bytes"] / est.host_bytes - 1) <= 0.10
-    # measured before the fix of bitsandbytes' reference cycle (fitune/infer/merge.py dequantize_nf4): every NF4
-    # linear stayed allocated beside the dequantized model, which is the estimate plus the NF4 linears
-    nf4_linears = rec["load"]["gpu_allocated_after_bytes"] - 2 * 128256 * 4096 * 2 - 2 * (32 * 2 + 1) * 4096
-    assert abs(merge["gpu_peak_allocated_bytes"] / (est.gpu_allocated_bytes + nf4_linears) - 1) <= 0.02
+    if case == "qlora":
+        assert abs(merge["gpu_peak_allocated_bytes"] / est.gpu_allocated_bytes - 1) <= 0.02
+        assert abs(merge["gpu_peak_reserved_bytes"] / est.gpu_reserved_bytes - 1) <= 0.05
+        dequantized = next(x for x in merge["stages"] if x["stage"] == "NF4 dequantized")
+        assert dequantized["gpu_allocated_after_bytes"] < 15 * GiB  # the NF4 linears gone: the bf16 model alone
+    else:
+        assert merge["gpu_peak_allocated_bytes"] < 0.1 * GiB  # the CPU

@@ -16,8 +16,8 @@ computed by a named function below whose docstring names the code path it models
 
 Host bytes are what the process holds in RAM beyond the page cache (a memory-mapped safetensors file is page
 cache, which the kernel reclaims: not counted). Every host figure includes a measured baseline: the interpreter
-with torch, CUDA and transformers loaded, `HOST_LOAD_BASELINE_BYTES` before training (load, and the separate merge
-and export processes), `HOST_RUNTIME_BASELINE_BYTES` once the steps have run.
+with torch, CUDA and transformers loaded, `HOST_LOAD_BASELINE_BYTES` before training (load, a QLoRA merge),
+`HOST_RUNTIME_BASELINE_BYTES` once the steps have run, `HOST_CPU_BASELINE_BYTES` in a process without CUDA.
 
 Pure Python; no torch import.
 """
@@ -44,11 +44,16 @@ HOST_RUNTIME_BASELINE_BYTES = 2 * GiB
 libraries and context, compiled kernels, transformers, PEFT, the tokenizer and the dataset. Measured at the eval
 step and the saves of 8B runs (bench/results/pretrained_load/phases: 1.85 to 1.92 GiB with `compile: layers`,
 H100, torch 2.11): rounded up."""
-HOST_LOAD_BASELINE_BYTES = int(1.23 * GiB)
+HOST_LOAD_BASELINE_BYTES = int(1.33 * GiB)
 """Resident memory of `fitune train` while it loads the model, outside the mapped weight files (the CUDA context
 up, the tokenizer and data read, CUDA's libraries paged in by the first copies, nothing compiled yet); also the
-baseline of the separate `fitune merge` and `fitune export` processes. Measured: 1.23 GiB at the end of loading
-8B in bf16 (bench/results/pretrained_load/phases, `host_no_weight_files_peak_bytes`; 0.81 GiB before it)."""
+baseline of `fitune merge` on the GPU (QLoRA). Measured at the end of loading 8B: 1.385 GiB (bf16) and 1.379 GiB
+(QLoRA, its quantizing transient counted apart) (bench/results/pretrained_load/phases/call3,
+`host_no_weight_files_peak_bytes`; 0.81 GiB before the load): the middle of the two, rounded."""
+HOST_CPU_BASELINE_BYTES = int(0.85 * GiB)
+"""A process that never starts CUDA (`fitune merge` of a LoRA run on the CPU, `fitune export`): fewer of CUDA's
+libraries are paged in. Fitted to the one measurement there is (the 8B LoRA merge of
+bench/results/pretrained_load/phases/call3: 2.34 GiB less what `merge_phase` adds), not checked independently."""
 CHECKPOINT_SHARD_BYTES = 2 * GiB
 """fitune/train/checkpoint.py `SHARD_BYTES`: the optimizer state is copied to the host one shard at a time."""
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
@@ -338,12 +343,13 @@ def merge_phase(m: ModelSpec, setup: TrainSetup) -> PhasePeak | None:
     catalog are bf16); PEFT's `merge_and_unload` writes the merged weight of every targeted linear (copy on write:
     those become anonymous memory), one fp32 delta at a time (`get_delta_weight`: B @ A, out x in), beside the
     fp32 adapter; `save_pretrained` of CPU tensors copies nothing more. Measured (bench/results/pretrained_load/
-    phases, 8B r8 on q,v): 1.98 GiB anonymous at the peak.
+    phases/call3, 8B r8 on q,v): 2.34 GiB at the peak, 1.95 GiB of it anonymous.
     QLoRA: on CUDA (bitsandbytes dequantizes there): the NF4 base (`build_model`), then `dequantize_nf4` replaces
-    each NF4 linear with a bf16 one: the whole model becomes bf16 on the GPU, the freed NF4 blocks (a quarter of
-    the size) stay in the allocator's cache, which the larger bf16 blocks cannot reuse (reserved: NF4 + bf16); the
-    adapter (fp32) and PEFT's fp32 delta of one linear on top. `save_pretrained(max_shard_size="5GB")` copies one
-    shard of the GPU tensors to the host (`MERGE_SHARD_BYTES`).
+    each NF4 linear with a bf16 one, freeing the NF4 block as it goes: the whole model becomes bf16 on the GPU; the
+    adapter (fp32) and PEFT's fp32 delta of one linear on top. Reserved as allocated: the cache reuses the freed
+    NF4 blocks for the smaller bf16 weights (measured: reserved 3 % over allocated, bench/results/pretrained_load/
+    phases/call3). `save_pretrained(max_shard_size="5GB")` copies one shard of the GPU tensors to the host
+    (`MERGE_SHARD_BYTES`).
     """
     if setup.method not in ("lora", "qlora"):
         return None
@@ -352,13 +358,12 @@ def merge_phase(m: ModelSpec, setup: TrainSetup) -> PhasePeak | None:
     dense = dense_weight_bytes(m, _dense_dtype(setup))
     if setup.method == "lora":
         merged = merged_linear_bytes(m, setup)
-        return PhasePeak("merge", 0, 0, HOST_LOAD_BASELINE_BYTES + merged + adapter + delta,
+        return PhasePeak("merge", 0, 0, HOST_CPU_BASELINE_BYTES + merged + adapter + delta,
                          f"fitune merge on the CPU: the {setup.dtype} base mapped from its files, the merged "
                          "linears rewritten in host memory")
-    nf4 = model_weight_bytes(m, setup)
     allocated = dense + adapter + delta
     host = HOST_LOAD_BASELINE_BYTES + min(dense, MERGE_SHARD_BYTES)
-    return PhasePeak("merge", allocated, allocated + nf4, host,
+    return PhasePeak("merge", allocated, allocated, host,
                      "fitune merge on the GPU: the NF4 base dequantized, the whole model in bf16 on the GPU")
 
 
@@ -379,7 +384,7 @@ def export_phase(m: ModelSpec, setup: TrainSetup, qtype: str = "f16") -> PhasePe
     `np.abs(...).max()`, then the f16 or q8_0 array) and written at once; the largest tensor's working set
     (`EXPORT_F16_BYTES_PER_ELEMENT` or `EXPORT_Q8_0_BYTES_PER_ELEMENT` per element) is the peak."""
     per = EXPORT_F16_BYTES_PER_ELEMENT if qtype == "f16" else EXPORT_Q8_0_BYTES_PER_ELEMENT
-    return PhasePeak("export", 0, 0, HOST_LOAD_BASELINE_BYTES + per * largest_tensor_numel(m),
+    return PhasePeak("export", 0, 0, HOST_CPU_BASELINE_BYTES + per * largest_tensor_numel(m),
                      f"fitune export ({qtype}) on the CPU, one tensor at a time")
 
 
