@@ -143,12 +143,11 @@ def load_host_bytes(m: ModelSpec, setup: TrainSetup, source: str, device: str = 
       `GgufHfQuantizer` of transformers 5.17 reads the packed blocks of the architectures it supports from the
       mapped file, and may need less: not measured.)
     - random: the weights are drawn on the device (`from_config` under `torch.device(device)`): the baseline.
-    - device "cpu": the model lives in host memory: its weights, plus the in-flight tensors above.
+    - device "cpu": the model lives in host memory: its weights on top.
     """
     if source not in SOURCES:
         raise ValueError(f"source {source!r} is not one of {', '.join(SOURCES)}")
     dense = _dense_dtype(setup)
-    largest = largest_tensor_numel(m) * weights.DTYPE_BYTES[dense]
     on_cpu = dense_weight_bytes(m, dense) if device == "cpu" else 0
     if source == "random":
         return HOST_LOAD_BASELINE_BYTES + on_cpu
