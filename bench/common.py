@@ -266,18 +266,29 @@ def probed_fitune_cmd(probe_path: str) -> tuple[list[str], dict]:
             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
+def proc_status(keys: tuple[str, ...]) -> dict:
+    """This process's memory figures `keys` (VmHWM, VmRSS, RssAnon, ...) from /proc/self/status, in bytes; {} where
+    there is no /proc."""
+    out = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    out[key] = int(value.split()[0]) * 1024  # kB
+    except OSError:
+        pass
+    return out
+
+
 def host_peaks() -> dict:
     """This process's host memory as it ends: `host_peak_rss_bytes` (VmHWM of /proc/self/status: the peak resident
     set of the whole process, pinned host buffers included, since they are resident) and, where PyTorch reports them,
     the peak bytes of its pinned (page-locked) host allocator (`torch.cuda.host_memory_stats`, PyTorch >= 2.5)."""
     out: dict = {}
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    out["host_peak_rss_bytes"] = int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
+    peak = proc_status(("VmHWM",)).get("VmHWM")
+    if peak is not None:
+        out["host_peak_rss_bytes"] = peak
     torch = sys.modules.get("torch")  # only if the run imported it
     if torch is not None and torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         try:

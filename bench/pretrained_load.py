@@ -53,7 +53,7 @@ if ROOT not in sys.path:
 
 import yaml  # noqa: E402
 
-from bench.common import code_version, grad_norm_probe, training_facts, write_record  # noqa: E402
+from bench.common import code_version, grad_norm_probe, proc_status, training_facts, write_record  # noqa: E402
 
 from fitune.train.synthetic import make_word_tokenizer, synthetic_words, write_chat_data  # noqa: E402
 
@@ -132,16 +132,7 @@ def versions() -> dict:
 
 def host_status() -> dict:
     """This process's memory from /proc/self/status, in bytes (VmHWM: peak RSS since start or the last reset)."""
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in STATUS_KEYS:
-                    out[key] = int(value.split()[0]) * 1024  # kB
-    except OSError:
-        pass
-    return out
+    return proc_status(STATUS_KEYS)
 
 
 def reset_host_peak() -> bool:
