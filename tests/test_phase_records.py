@@ -94,3 +94,22 @@ def test_fitune_merge_is_within_the_goal(case):
         assert dequantized["gpu_allocated_after_bytes"] < 15 * GiB  # the NF4 linears gone: the bf16 model alone
     else:
         assert merge["gpu_peak_allocated_bytes"] < 0.1 * GiB  # the CPU
+
+
+def test_the_recorded_longest_contexts_are_what_fitune_plan_says_today():
+    """bench/results/issue33/context/plan_longest.jsonl (bench/plan_longest.py): the longest context `fitune plan`
+    accepts on a 24 GB card per method and host RAM, the figures docs/phases.md quotes; one recomputed here."""
+    import sys
+    from types import SimpleNamespace
+
+    path = os.path.join(ROOT, "bench", "results", "issue33", "context", "plan_longest.jsonl")
+    with open(path, encoding="utf-8") as f:
+        got = {(r["method"], r["host_ram"]): r["plan_longest_tokens"] for r in map(json.loads, f)}
+    assert got == {("qlora", "32GiB"): 122880, ("qlora", "64GiB"): 140288, ("lora", "32GiB"): 60416,
+                   ("lora", "64GiB"): 60416}
+    sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+    import unsloth_max_context as probe
+
+    args = SimpleNamespace(model="llama-3.1-8b", cap="rtx4090", method="qlora", lora_rank=32, resolution=1024,
+                           limit=262144, fitune_host_ram="32GiB", fitune_optimizer="any", fitune_retries=False)
+    assert probe.plan_longest(args) == got[("qlora", "32GiB")]
