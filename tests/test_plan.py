@@ -182,6 +182,15 @@ def test_host_ram_leaves_out_methods_that_cannot_load_or_save():
     assert not tight.plans
     messages = [r.message for r in tight.rejected if r.reason == "host_ram"]
     assert len(messages) == 2 and all("> 1.50 GiB --host-ram" in m for m in messages), messages
+    assert all("(the trained process writing its adapter)" in m for m in messages), messages
+
+
+def test_plan_says_the_host_ram_is_short_not_the_card(capsys):
+    assert main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--method", "qlora", "--host-ram", "1GiB"]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "the card would hold it: the host RAM is what is short" in text
+    assert "the smallest requirement" not in text and "changes that would fit" not in text
 
 
 def test_request_errors_name_the_flag():

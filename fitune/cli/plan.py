@@ -316,7 +316,13 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
         lines.append("")
         lines.append("  does not fit:")
         lines += [f"    {r.message}" for r in result.rejected]
-    if not result.plans and result.minimum is not None:
+    host_only = any(r.reason == "host_ram" for r in result.rejected) and result.minimum is not None and \
+        result.minimum.peak_reserved_bytes <= g.allocator_budget_bytes
+    if not result.plans and host_only:
+        lines.append("")
+        lines.append("  the card would hold it: the host RAM is what is short (above); --host-ram if this computer "
+                     "has more, or a machine with more RAM")
+    elif not result.plans and result.minimum is not None:
         m = result.minimum
         lines.append("")
         lines.append(f"  the smallest requirement: {_gib(m.peak_allocated_bytes)} allocated, {_gib(m.peak_reserved_bytes)} "

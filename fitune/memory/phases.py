@@ -475,4 +475,6 @@ def run_host_floor(m: ModelSpec, setup: TrainSetup, source: str) -> tuple[int, s
         why = ("the GGUF file dequantized on the CPU" if source == "gguf"
                else "the process, the weights read from their mapped files straight to the GPU")
         return load, "loading", why
+    if setup.method in ("lora", "qlora"):
+        return final, "saving", "the trained process writing its adapter"
     return final, "saving", "save_pretrained copies the whole model to the host"
