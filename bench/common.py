@@ -284,7 +284,8 @@ def proc_status(keys: tuple[str, ...]) -> dict:
 def host_peaks() -> dict:
     """This process's host memory as it ends: `host_peak_rss_bytes` (VmHWM of /proc/self/status: the peak resident
     set of the whole process, pinned host buffers included, since they are resident) and, where PyTorch reports them,
-    the peak bytes of its pinned (page-locked) host allocator (`torch.cuda.host_memory_stats`, PyTorch >= 2.5)."""
+    the peak bytes of its pinned (page-locked) host allocator (`torch.cuda.host_memory_stats`, PyTorch >= 2.5) and the
+    bytes fitune's offloaded checkpoints page-locked themselves (`host_registered_bytes`)."""
     out: dict = {}
     peak = proc_status(("VmHWM",)).get("VmHWM")
     if peak is not None:
@@ -298,6 +299,9 @@ def host_peaks() -> dict:
         peak = stats.get("allocated_bytes.peak")  # pinned blocks owned by the allocator (active + cached)
         if peak is not None:
             out["host_pinned_peak_bytes"] = int(peak)
+    offload = sys.modules.get("fitune.runtime.techniques.offload")
+    if offload is not None:  # offloaded checkpoints' exact-size buffers, page-locked outside PyTorch's allocator
+        out["host_registered_bytes"] = offload.registered_bytes()
     return out
 
 

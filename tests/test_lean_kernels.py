@@ -173,7 +173,7 @@ def test_liger_kernels_explain_what_they_need():
 
 def test_configure_allocator_sets_what_the_setup_needs(monkeypatch):
     from fitune.setup import TrainSetup
-    from fitune.runtime.device import EXACT_PINNED_ABOVE_MB, configure_allocator, exact_pinned_supported
+    from fitune.runtime.device import configure_allocator
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert configure_allocator(TrainSetup()) == {}
@@ -184,10 +184,8 @@ def test_configure_allocator_sets_what_the_setup_needs(monkeypatch):
 
     conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     assert "expandable_segments:True" in conf
-    assert ("pinned_max_round_threshold_mb" in added) == exact_pinned_supported()
-    if exact_pinned_supported():
-        assert f"pinned_max_round_threshold_mb:{EXACT_PINNED_ABOVE_MB}" in conf
+    assert added == {"expandable_segments": "True"}  # offloaded checkpoints need no pinned-allocator setting
     # what the user set wins
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False,pinned_max_round_threshold_mb:4096")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert configure_allocator(offload) == {}
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False,pinned_max_round_threshold_mb:4096"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"

@@ -65,3 +65,31 @@ def test_offload_keeps_only_host_copies_between_forward_and_backward():
     assert len(manager.contexts) == 3 and all(c.host is not None and c.restored is None for c in manager.contexts)
     loss.backward()
     assert manager.contexts == []
+
+
+def test_pinned_pool_lends_exact_size_buffers_and_reuses_them_across_steps():
+    """Offloaded checkpoints' host buffers: exact size (no power-of-two rounding), one set kept across steps, grown
+    (the smaller ones unlocked) only when a longer batch comes; every buffer made is locked once and unlocked once."""
+    import torch
+
+    from fitune.runtime.techniques.offload import PinnedPool
+
+    locked, unlocked = [], []
+    pool = PinnedPool(lock=lambda b: locked.append(b.numel()), unlock=lambda b: unlocked.append(b.numel()))
+    shape = (1, 3, 5)  # 15 bf16 values: 30 bytes, which a power-of-two allocator would round to 32
+    for _step in range(3):
+        lent = [pool.take(shape, torch.bfloat16) for _layer in range(4)]
+        for host, _ in lent:
+            assert host.shape == shape and host.dtype == torch.bfloat16
+            host.fill_(1.5)
+        assert len({b.data_ptr() for _, b in lent}) == 4  # no buffer lent twice at once
+        for _, buffer in lent:
+            pool.give_back(buffer)
+    assert locked == [30] * 4 and unlocked == [] and pool.registered_bytes == 120
+    host, buffer = pool.take((2, 3, 5), torch.bfloat16)  # a longer batch: a bigger buffer, the short ones unlocked
+    assert buffer.numel() == 60 and unlocked == [30] * 4 and pool.registered_bytes == 60
+    pool.give_back(buffer)
+    small, again = pool.take(shape, torch.bfloat16)  # a shorter batch fits in the big buffer (no new lock)
+    assert again is buffer and small.numel() == 15 and locked == [30] * 4 + [60]
+    pool.close()
+    assert unlocked == [30] * 4 + [60] and pool.registered_bytes == 0

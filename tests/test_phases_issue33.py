@@ -317,17 +317,6 @@ def test_train_preflight_hands_warnings_over_and_returns_problems(monkeypatch):
 # ---- PyTorch older than 2.13: pinned blocks rounded up to a power of two --------------------------------------------
 
 
-def test_pinned_rounding_applies_to_this_machines_older_pytorch_only():
-    from fitune.plan.policy import pinned_rounding
-
-    on, notes = pinned_rounding(has_gpu=lambda: True, torch_version="2.11.0+cu130")
-    assert on and notes == ["PyTorch 2.11.0+cu130 here rounds each pinned block up to a power of two (2.13+ does "
-                            "not): offloaded checkpoints' host RAM counted rounded"]
-    assert pinned_rounding(has_gpu=lambda: True, torch_version="2.13.0") == (False, [])
-    assert pinned_rounding(has_gpu=lambda: False, torch_version="2.11.0") == (False, [])  # the plan is for elsewhere
-    assert pinned_rounding(has_gpu=lambda: True, torch_version=None) == (False, [])  # no torch here
-
-
 def test_a_64_gib_computer_with_older_pytorch_cannot_offload_140k_tokens(llama):
     """Measured (bench/results/issue33/context): QLoRA r32 all-linear at 140,288 tokens on PyTorch 2.11 held 64 GiB of
     pinned blocks (32 layers x 2 GiB for 1.07 GiB each) and 67.8 GiB of RSS; with exact blocks it needs 36.3 GiB."""

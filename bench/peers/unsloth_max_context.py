@@ -251,7 +251,7 @@ def host_record(probe: str, plan_path: str) -> dict:
             seen = json.load(f)
     except (OSError, ValueError):
         seen = {}
-    out = {k: seen.get(k) for k in ("host_peak_rss_bytes", "host_pinned_peak_bytes")}
+    out = {k: seen.get(k) for k in ("host_peak_rss_bytes", "host_pinned_peak_bytes", "host_registered_bytes")}
     est = subprocess.run(_fitune_cmd() + ["estimate", "--config", plan_path, "--json"], capture_output=True, text=True,
                          timeout=300, env=_fitune_env())
     answer = json.loads(est.stdout) if est.returncode in (0, 2) and est.stdout.strip() else {}

@@ -160,7 +160,6 @@ def _request(args) -> tuple[PlanRequest, list[str]]:
     if args.no_quantize:
         methods = tuple(m for m in methods if m != "qlora")
     host_ram, host_ram_origin, host_ram_line = policy.resolve_host_ram(args.host_ram)
-    rounded_pinned, pinned_notes = policy.pinned_rounding()
     kept = kept_setup(args)
     if kept.keep_outputs and (args.write or args.emit):
         raise ConfigError(f"--keep-outputs plans your own loop as it is (it keeps the model output through backward); "
@@ -180,13 +179,12 @@ def _request(args) -> tuple[PlanRequest, list[str]]:
                       lora_dropout=kept.lora_dropout, lora_targets=kept.lora_targets,
                       freeze_trainable_layers=kept.freeze_trainable_layers, attns=policy.available_attns(),
                       allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, host_ram_origin=host_ram_origin,
-                      pinned_power_of_two=rounded_pinned,
                       kernels=kernels, compile=compile_layers, keep_outputs=kept.keep_outputs, data=data,
                       top=args.top)
     notes = ["--keep-outputs: plans for your own transformers + PEFT loop as written (the output kept through "
              "backward), none of fitune's techniques; `fitune doctor` shows what freeing it saves"] \
         if kept.keep_outputs else []
-    return req, notes + (compile_notes or kernel_notes) + data_notes + batch_notes + [host_ram_line] + pinned_notes
+    return req, notes + (compile_notes or kernel_notes) + data_notes + batch_notes + [host_ram_line]
 
 
 def _hf_id(model_name: str) -> str | None:

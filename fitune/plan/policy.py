@@ -7,9 +7,7 @@ to the plain path elsewhere. Pure Python: packages are found without importing t
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import re
 
 from ..errors import ConfigError
 from ..memory.phases import DEFAULT_HOST_RAM_BYTES, local_nvidia_gpu, meminfo_bytes
@@ -79,34 +77,6 @@ def resolve_host_ram(flag: str | None, has_gpu=None, mem_total=None) -> tuple[in
             return total, "host RAM (this machine's)", f"host RAM: {_gib(total)}, this machine's (--host-ram to change)"
     return (DEFAULT_HOST_RAM_BYTES, "host RAM (assumed; --host-ram to change)",
             f"host RAM: {_gib(DEFAULT_HOST_RAM_BYTES)} assumed (--host-ram to change)")
-
-
-EXACT_PINNED_TORCH = (2, 13)
-"""The PyTorch from which `fitune train` gets exact-size pinned blocks (fitune/runtime/device.py
-`exact_pinned_supported`); older ones round each up to a power of two."""
-
-
-def pinned_rounding(has_gpu=None, torch_version=None) -> tuple[bool, list[str]]:
-    """Whether offloaded checkpoints' pinned host memory is planned rounded up to a power of two per layer, with the
-    note that says so: when the GPU is on this machine (the plan is for this computer) and the PyTorch installed
-    here is older than `EXACT_PINNED_TORCH` (read from its package metadata: torch is not imported). Measured on
-    PyTorch 2.11: a 140,288-token QLoRA run held 64 GiB of pinned blocks for 34.3 GiB of checkpoints
-    (bench/results/issue33/context). `has_gpu` / `torch_version`: stand-ins (tests)."""
-    if not (has_gpu or local_nvidia_gpu)():
-        return False, []
-    version = torch_version if torch_version is not None else _installed_torch()
-    parsed = re.match(r"(\d+)\.(\d+)", version or "")
-    if not parsed or (int(parsed.group(1)), int(parsed.group(2))) >= EXACT_PINNED_TORCH:
-        return False, []
-    return True, [f"PyTorch {version} here rounds each pinned block up to a power of two (2.13+ does not): offloaded "
-                  "checkpoints' host RAM counted rounded"]
-
-
-def _installed_torch() -> str | None:
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _gib(n: int) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,9 +15,6 @@ if TYPE_CHECKING:
 
 #: fitune's dtype names -> torch's (the one map: `torch_dtype("bf16")` is torch.bfloat16).
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-#: Offloaded checkpoints larger than this get exact-size pinned host blocks (see configure_allocator).
-EXACT_PINNED_ABOVE_MB = 64
 
 
 def torch_dtype(name: str):
@@ -39,34 +35,20 @@ def configure_allocator(s: TrainSetup) -> dict[str, str]:
     """Set PYTORCH_CUDA_ALLOC_CONF for `s` before CUDA starts; returns what was added. A key the user already set
     wins.
 
-    - expandable_segments:True when `s.expandable_segments` (freed blocks are not stranded between live ones);
-    - with offloaded checkpoints, pinned_max_round_threshold_mb: PyTorch's pinned-memory allocator rounds every
-      block up to a power of two by default, so a 1.17 GB checkpoint (143k tokens x 8 KiB) holds 2 GiB of host
-      RAM (measured: bench/results/issue5/). Blocks above the threshold get their exact size. The option is parsed
-      by PyTorch 2.13's allocator config (c10/core/AllocatorConfig.h, pull 171662); fitune sets it from 2.13 on
-      and leaves older versions, which may reject the key, with the rounding (fitune estimate notes it). Not yet
-      measured on a GPU: the GPU machine has PyTorch 2.11.
+    - expandable_segments:True when `s.expandable_segments` (freed blocks are not stranded between live ones).
+
+    Offloaded checkpoints need no setting: their host buffers are exact-size (fitune/runtime/techniques/offload.py
+    `PinnedPool`), not PyTorch's power-of-two pinned blocks.
     """
     added: dict[str, str] = {}
     current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if s.expandable_segments and "expandable_segments" not in current:
         added["expandable_segments"] = "True"
-    if s.checkpointed_layers_mode == "offload" and "pinned_max_round_threshold" not in current \
-            and exact_pinned_supported():
-        added["pinned_max_round_threshold_mb"] = str(EXACT_PINNED_ABOVE_MB)
     if added:
         items = [current] if current else []
         items += [f"{k}:{v}" for k, v in added.items()]
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(items)
     return added
-
-
-def exact_pinned_supported() -> bool:
-    """Whether this PyTorch knows pinned_max_round_threshold_mb (checked in 2.13's allocator config)."""
-    import torch
-
-    version = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (2, 13)
 
 
 def limit_allocator(budget_bytes: int | None) -> None:
