@@ -23,10 +23,13 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .datasource import FORMAT_ALIASES as _FORMAT_ALIASES, FORMATS as DATA_FORMATS
-from .errors import ConfigError
+from .datasource import (FORMAT_ALIASES as _FORMAT_ALIASES, FORMATS as DATA_FORMATS, SUFFIXES as DATA_SUFFIXES,
+                         data_path_problem, is_hub_id as is_data_hub_id, tokenizer_source_problem)
+from .errors import ConfigError, FituneError, UnknownGpuError, UnsupportedArchitectureError
 from .schema import (Key, Problems, key, keys_of, label, to_mapping, values_from_args, values_from_mapping)
 from .setup import SETUP_KEYS, TrainSetup
+from .specs.gpu import resolve_gpu
+from .specs.model import catalog_key_for_hub_id, check_hf_config, model_spec_from_hf_config, resolve_model_source
 
 SCHEDULES = ("cosine", "linear", "constant")
 LOGGERS = ("tensorboard", "wandb")
@@ -142,9 +145,6 @@ class TrainConfig:
         if (self.max_steps is None) == (self.epochs is None):
             problems.append(f"{name('max_steps')} / {name('epochs')} give exactly one of them")
         if self.cap is not None:
-            from .errors import UnknownGpuError
-            from .specs.gpu import resolve_gpu
-
             try:
                 resolve_gpu(str(self.cap), name("cap").rstrip(":"))
             except UnknownGpuError as exc:
@@ -157,8 +157,6 @@ class TrainConfig:
             problems += [f"{name('output_dir')} {p}" for p in _output_dir_problems(self.output_dir)]
         for f, path in (("path", self.data.path), ("eval_path", self.data.eval_path)):
             if path and os.path.exists(path):
-                from .datasource import data_path_problem
-
                 problem = data_path_problem(path)
                 if problem is None and os.path.isfile(path) and os.path.getsize(path) == 0:
                     problem = f"{path}: no records (the file is empty); point it at a file with training examples"
@@ -182,8 +180,6 @@ def _path_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
     """model:, data.eval_path: and tokenizer: as paths (data.path: `_data_problems`). A relative path the config
     file gave that is missing here says where it was looked for (`relative_path_note`); `from_file(field)`: the
     config's folder when the field's value came from the config file."""
-    from .datasource import tokenizer_source_problem
-
     def note(f: str, path: str | None) -> str:
         return relative_path_note(path, from_file(f))
 
@@ -206,14 +202,12 @@ def _path_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
 def _data_problems(cfg: "TrainConfig", name, from_file) -> list[str]:
     """data.path (a local source, or a Hub data set id ORG/NAME) and what streaming needs. `from_file(field)`: the
     config's folder when the field's value came from the config file."""
-    from .datasource import SUFFIXES, is_hub_id
-
     data = cfg.data
     problems = []
     if not data.path:
         problems.append(f"{name('path')} missing; point it at a .jsonl / .json / .csv / .tsv / .txt / .parquet file, "
                         "a dataset folder or a Hub data set id ORG/NAME")
-    elif not os.path.exists(data.path) and (not is_hub_id(data.path, SUFFIXES)
+    elif not os.path.exists(data.path) and (not is_data_hub_id(data.path, DATA_SUFFIXES)
                                             or beside_config(data.path, from_file("path"))):
         where = relative_path_note(data.path, from_file("path")) or " (a Hub data set id is written ORG/NAME)"
         problems.append(f"{name('path')} {data.path} does not exist{where}")
@@ -351,8 +345,6 @@ def position_warning(cfg: "TrainConfig") -> str | None:
     """What `fitune train` warns before training when seq_len is beyond the positions the model was trained on
     (None when it is not, or the model's config.json cannot be read without a download). A warning, not a refusal:
     a plan may use longer sequences on purpose (llama-3.1-8b's 143k-token plans are beyond its 131072 positions)."""
-    from .errors import FituneError
-    from .specs.model import catalog_key_for_hub_id, resolve_model_source
     from .specs.sources import cached_hub_file, is_hub_id
 
     if is_hub_id(cfg.model) and cached_hub_file(cfg.model) is None and catalog_key_for_hub_id(cfg.model) is None:
@@ -374,12 +366,8 @@ def position_warning(cfg: "TrainConfig") -> str | None:
 def _model_problems(cfg: "TrainConfig", name, origin: dict[str, str]) -> list[str]:
     """What the model's config.json (read, never its weights) says against `cfg`: a config.json that is missing or
     unusable, and the setup checked against the model's sizes."""
-    from .errors import FituneError, UnsupportedArchitectureError
-    from .specs.model import check_hf_config, model_spec_from_hf_config, resolve_model_source
-
     if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
         return []  # nothing to check yet (`preflight_problems` refuses to train from it)
-    from .specs.model import catalog_key_for_hub_id
     from .specs.sources import cached_hub_file, is_hub_id
 
     if is_hub_id(cfg.model) and cached_hub_file(cfg.model) is None and catalog_key_for_hub_id(cfg.model) is None:

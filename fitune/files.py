@@ -23,9 +23,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import tempfile
 from typing import IO, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no fcntl, and no O_NONBLOCK to clear (_O_NONBLOCK is 0)
+    fcntl = None
 
 from .errors import FituneError
 
@@ -308,8 +314,6 @@ def open_output_stream(path: str, *, what: str = "--out") -> IO:
                                   "regular file", path=path)
         os.ftruncate(fd, 0)  # only now: a regular file, ours to replace
         if _O_NONBLOCK:
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
         return os.fdopen(fd, "w", encoding="utf-8")
     except BaseException:
@@ -326,8 +330,6 @@ def atomic_folder(path: str, *, what: str = "--out") -> Iterator[str]:
     Raises:
         UnsafeFileError: `path` is a link, a file, a pipe, a device or a folder that is not empty.
     """
-    import shutil
-
     check_folder_target(path, what)
     parent = os.path.dirname(os.path.abspath(path).rstrip(os.sep)) or "."
     try:
@@ -396,8 +398,6 @@ def open_regular(path: str, *, what: str = "INPUT", binary: bool = False, encodi
             raise UnsafeFileError(f"{what} {path} is {kind_of(st.st_mode)}, not a regular file: reading it would "
                                   "wait forever or never end; pass a regular file", path=path)
         if _O_NONBLOCK:
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
         if binary:
             return os.fdopen(fd, "rb")

@@ -17,8 +17,10 @@ file and the flag when it came from the command line. Pure Python: PyYAML only w
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -541,8 +543,6 @@ def add_arguments(parser, keys: Iterable[Key], skip: Iterable[str] = (), default
                   group_title: str | None = None) -> None:
     """Add one flag per key. Flags default to None ("not given"), so a config file's value stands unless the
     flag is given; the help shows the dataclass default."""
-    import argparse
-
     skip = set(skip)
     target = parser.add_argument_group(group_title) if group_title else parser
     for k in keys:
@@ -612,8 +612,6 @@ def load_config_file(path: str) -> dict:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
     text = decode_text(raw, path)
     if path.endswith(".json"):
-        import json
-
         try:
             doc = json.loads(text, parse_constant=_no_constant(path), parse_int=_json_int(path))
         except json.JSONDecodeError as exc:
@@ -755,8 +753,6 @@ def _loader():
     global _LOADER
     if _LOADER is not None:
         return _LOADER
-    import re
-
     import yaml
 
     class Loader(yaml.SafeLoader):

@@ -22,9 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import ALL_KEYS, config_from_values
 from .errors import ConfigError
+from .memory.weights import DTYPE_BYTES, weight_bytes
+from .plan.emit import to_yaml
+from .setup import OPTIMIZERS
 from .specs import optimizers as optimizer_specs
-from .schema import FOREIGN_KEYS, FOREIGN_LORA_KEYS, OTHER_TRAINERS_NAME
+from .specs.model import catalog_key_for_hub_id, model_catalog, model_spec_from_hf_config
+from .schema import (FOREIGN_KEYS, FOREIGN_LORA_KEYS, OTHER_TRAINERS_NAME, Problems, _describe, load_config_file,
+                     values_from_mapping, without_known_list)
+from .units import gib
 
 NOT_TRANSLATED = {
     "warmup_ratio": "fitune counts warmup in steps: set warmup_steps to {value} x your step count",
@@ -120,8 +127,6 @@ def _put(doc: dict, path: str, value: Any) -> None:
 
 
 def _known_paths() -> set[str]:
-    from .config import ALL_KEYS
-
     return {k.yaml for k in ALL_KEYS}
 
 
@@ -245,15 +250,11 @@ def _optimizer_component(component: str, t: Translation) -> None:
 
 
 def _optimizer_names() -> str:
-    from .setup import OPTIMIZERS
-
     return ", ".join(OPTIMIZERS)
 
 
 def _optimizer(t: Translation, name: str, value: Any) -> None:
     """HF's `optim:` / Axolotl's `optimizer:`: fitune's optimizer of the same state precision."""
-    from .setup import OPTIMIZERS
-
     low = value.strip().lower() if isinstance(value, str) else None
     if low is None or low in OPTIMIZERS or low not in FOREIGN_OPTIMIZERS:
         t.config["optimizer"] = value  # fitune's own, or unknown: fitune's reader names the closest of its precision
@@ -388,8 +389,6 @@ def _eight_bit_note(out: dict) -> str:
 
 
 def _gib(n: int) -> str:
-    from .units import gib
-
     return gib(n)
 
 
@@ -399,9 +398,6 @@ def _weight_sizes(model: Any, dtype: str) -> tuple[str, int, int, int] | None:
     LLM.int8 (bitsandbytes `Int8Params`): each decoder nn.Linear weight as int8 codes plus one fp32 scale per output
     row (`SCB`); embeddings, lm_head and norms stay in `dtype`, as `memory.weights.weight_bytes` keeps them for NF4.
     """
-    from .memory.weights import DTYPE_BYTES, weight_bytes
-    from .specs.model import catalog_key_for_hub_id, model_catalog, model_spec_from_hf_config
-
     if not isinstance(model, str) or dtype not in DTYPE_BYTES:
         return None
     key = catalog_key_for_hub_id(model)
@@ -454,8 +450,6 @@ def _copy_known(t: Translation, name: str, value: Any) -> None:
 
 def _shown(value: Any) -> str:
     """A value as a note quotes it: short, and a huge integer by its length (str() refuses over 4,300 digits)."""
-    from .schema import _describe
-
     return _describe(value)
 
 
@@ -557,8 +551,6 @@ def translate(doc: dict) -> tuple[dict, list[str]]:
 
 def _in_fitune_order(out: dict) -> dict:
     """The top-level keys in the order `fitune train`'s config writes them (model, data, method, lora, ...)."""
-    from .config import ALL_KEYS
-
     order: list[str] = []
     for k in ALL_KEYS:
         top = k.yaml.split(".", 1)[0]
@@ -573,9 +565,6 @@ def validate(doc: dict, source: str) -> list[str]:
 
     Unlike `config_from_dict`, the checks of the whole config run even when a value is refused, so that one pass
     lists everything; a missing model or data path is left to the caller (`missing_pieces`)."""
-    from .config import ALL_KEYS, config_from_values
-    from .schema import Problems, values_from_mapping
-
     probe = dict(doc)
     probe.setdefault("model", MODEL_PLACEHOLDER)
     data = probe.get("data")
@@ -607,8 +596,6 @@ def missing_pieces(out: dict, doc: dict) -> list[str]:
 
 def translated_yaml(doc: dict, source: str) -> str:
     """The text `fitune train --translate` prints: changes, drops and remaining problems as comments, then the YAML."""
-    from .plan.emit import to_yaml
-
     t = translate_doc(doc)
     problems = missing_pieces(t.config, doc) + validate(t.config, source)
     header = [f"translated by fitune from {source}"]
@@ -623,8 +610,6 @@ def foreign_config_error(exc: ConfigError, path: str, doc: Any = None, then: str
     one line pointing to `--translate`, then its first FOREIGN_PROBLEMS_SHOWN problems (without the list of fitune's
     keys); `then` is the command to run on the result (`fitune estimate --config run.yaml`). None when `exc` is not
     about such a config (fitune's own with a wrong value)."""
-    from .schema import load_config_file, without_known_list
-
     if doc is None:
         try:
             doc = load_config_file(path)

@@ -1,11 +1,12 @@
 """Issue 34: a file's dependencies are visible at its top. Read from the source with `ast` (nothing imported but
 `fitune.cli.main`, once, in a subprocess):
 
-- in the packages cleaned so far (`CLEANED`), every import inside a function is of a module in an allow-list, each
-  with its reason: an optional heavy package (`HEAVY_PACKAGES`), a fitune module that imports a heavy package at
-  module level (`HEAVY_MODULES`), or a fitune module kept out of `fitune --help`, which imports every command module
-  (`KEPT_OUT_OF_HELP`); an import guarded by `except ImportError` is optional by design (the code has a fallback:
-  POSIX-only `fcntl`, `resource`, Windows without `readline`, a post-mortem that may be missing) and is allowed;
+- across fitune/ (`CLEANED`: every part, `EXCLUDED_FILES` aside), every import inside a function is of a module in
+  an allow-list, each with its reason: an optional heavy package (`HEAVY_PACKAGES`), a fitune module that imports a
+  heavy package at module level (`HEAVY_MODULES`: the pure estimator and `fitune --help` never load torch), or a
+  fitune module kept out of `fitune --help`, which imports every command module (`KEPT_OUT_OF_HELP`); an import
+  guarded by `except ImportError` is optional by design (the code has a fallback: POSIX-only `fcntl`, `resource`,
+  Windows without `readline`, a post-mortem that may be missing) and is allowed; everything else is at the top;
 - each reason still holds: a `HEAVY_MODULES` entry does import a heavy package at import, a `KEPT_OUT_OF_HELP` entry is
   not loaded by `fitune --help` and is imported lazily only from modules that are;
 - the function-level imports across fitune/ are counted and printed (`pytest -s`), the number issue 34 tracks.
@@ -22,9 +23,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "fitune")
 
-CLEANED = ("cli", "report", "doctor", "data", "infer", "export", "parallel", "integrations", "profile", "train")
-"""fitune's parts whose function-level imports are checked; memory, plan, specs, runtime, trace and the spine's
-modules (setup, schema, config) are left for later."""
+CLEANED = ("errors", "units", "files", "specs", "schema", "setup", "datasource", "config", "memory", "perf", "data",
+           "plan", "runtime", "parallel", "train", "infer", "export", "trace", "profile", "report", "doctor",
+           "integrations", "translate", "cli", "__init__", "__main__")
+"""fitune's parts whose function-level imports are checked: every one (tests/test_layering.py's LAYERS, bottom
+first, and the root package's own modules); `test_every_part_is_cleaned` keeps it so."""
+
+EXCLUDED_FILES = {
+    "fitune/runtime/optim.py": "edited in parallel; issue 34",
+    "fitune/specs/optimizers.py": "edited in parallel; issue 34",
+    "fitune/train/checkpoint.py": "edited in parallel; issue 34",
+}
+"""Files left out of the check for now, path relative to the repository -> why."""
 
 _OPTIONAL = "optional heavy package: imported where used, so that estimate, plan and doctor SCRIPT never load it"
 HEAVY_PACKAGES = {
@@ -42,6 +52,7 @@ HEAVY_MODULES = {
     "fitune.runtime.model": _TORCH, "fitune.runtime.step": _TORCH, "fitune.runtime.layers": _TORCH,
     "fitune.runtime.techniques.chunked_loss": _TORCH, "fitune.runtime.techniques.varlen_attention": _TORCH,
     "fitune.parallel.wrap": _TORCH, "fitune.train._parallel_steps": _TORCH,
+    "fitune.runtime.techniques.offload": _TORCH,
 }
 _HELP = "a command's library, loaded when the command runs: `fitune --help` imports every command module"
 KEPT_OUT_OF_HELP = {
@@ -128,17 +139,33 @@ def _reason(target: str) -> str | None:
     return HEAVY_MODULES.get(target) or KEPT_OUT_OF_HELP.get(target)
 
 
+def _checked_files(pkg: str = PKG, parts=CLEANED):
+    """The files of `parts` (a package folder, or a module: `config` is fitune/config.py), `EXCLUDED_FILES` aside."""
+    root = os.path.dirname(pkg)
+    for part in parts:
+        folder = os.path.join(pkg, part)
+        for path in _python_files(folder) if os.path.isdir(folder) else [folder + ".py"]:
+            if os.path.relpath(path, root).replace(os.sep, "/") not in EXCLUDED_FILES:
+                yield path
+
+
 def unexplained_imports(pkg: str = PKG, parts=CLEANED) -> list[str]:
     """Function-level imports in `parts` of no allowed module, one line each: file:line imports module."""
     root = os.path.dirname(pkg)
     out = []
-    for part in parts:
-        folder = os.path.join(pkg, part)
-        for path in _python_files(folder) if os.path.isdir(folder) else [folder + ".py"]:
-            for line, target in imports_of(path, root, guarded=False)[1]:
-                if _reason(target) is None:
-                    out.append(f"{os.path.relpath(path, root)}:{line} imports {target} inside a function")
+    for path in _checked_files(pkg, parts):
+        for line, target in imports_of(path, root, guarded=False)[1]:
+            if _reason(target) is None:
+                out.append(f"{os.path.relpath(path, root)}:{line} imports {target} inside a function")
     return out
+
+
+def test_every_part_is_cleaned():
+    parts = {name[:-3] if name.endswith(".py") else name for name in os.listdir(PKG) if name != "__pycache__"}
+    assert sorted(parts - set(CLEANED)) == [], "add these parts of fitune/ to CLEANED"
+    assert sorted(set(CLEANED) - parts) == [], "CLEANED names parts fitune/ no longer has"
+    gone = [f for f in EXCLUDED_FILES if not os.path.isfile(os.path.join(ROOT, f))]
+    assert gone == [], f"EXCLUDED_FILES names files that no longer exist: {gone}"
 
 
 def test_function_level_imports_in_the_cleaned_parts_are_allowed_and_counted():
@@ -194,11 +221,9 @@ def test_the_modules_kept_out_of_help_are_out_of_it_and_imported_lazily_only_whe
     loaded = _loaded_by_help()
     assert sorted(m for m in KEPT_OUT_OF_HELP if m in loaded) == [], "`fitune --help` loads these already"
     needless = []
-    for part in CLEANED:
-        folder = os.path.join(PKG, part)
-        for path in _python_files(folder) if os.path.isdir(folder) else [folder + ".py"]:
-            module = _module_name(path, ROOT)
-            needless += [f"{module}:{line} {target}" for line, target in imports_of(path, guarded=False)[1]
-                         if target in KEPT_OUT_OF_HELP and module not in loaded and target not in HEAVY_MODULES]
+    for path in _checked_files():
+        module = _module_name(path, ROOT)
+        needless += [f"{module}:{line} {target}" for line, target in imports_of(path, guarded=False)[1]
+                     if target in KEPT_OUT_OF_HELP and module not in loaded and target not in HEAVY_MODULES]
     assert needless == [], f"imported lazily from modules `fitune --help` does not load: move them to the top: " \
                            f"{needless}"

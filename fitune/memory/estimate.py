@@ -11,6 +11,7 @@ Pure Python; no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..setup import TrainSetup
@@ -21,7 +22,7 @@ from . import adapters, loss as loss_terms, optimizer as opt_terms, overheads, p
 from ..units import GiB
 from .allocator import replay_reserved
 from .autograd import Autograd, Tensor
-from .layers import FP32, LayerContext, decoder_layer
+from .layers import FP32, LayerContext, decoder_layer, rms_norm
 
 #: Tokens per tile of fitune's tiled MLP (fitune.runtime.techniques.tiled_mlp.TILE_TOKENS).
 TILE_TOKENS = 2048
@@ -354,8 +355,6 @@ def _record_layers(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: LayerC
 
 def _record_head(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: LayerContext, x: Tensor, T: int) -> Tensor:
     """Final norm, lm_head and loss (loss.py), then the model output dropped (or held: keep_outputs)."""
-    from .layers import rms_norm  # local: keeps the import list above about composition
-
     ag, w = step.ag, ctx.act_bytes
     if step.rank:
         step.rank.before_head()
@@ -471,8 +470,6 @@ def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: l
     notes.append(f"{outside / GiB:.2f} GiB assumed outside PyTorch's allocator for NCCL"
                  + (" and DeepSpeed" if layout.strategy in parallel_terms.ZERO else "")
                  + " (a guess until measured): the budget is that much smaller")
-    import dataclasses
-
     return dataclasses.replace(gpu, allocator_budget_bytes=gpu.allocator_budget_bytes - outside)
 
 

@@ -7,7 +7,7 @@ traces in bench/results/hf_recipe/snap_*.json.gz show these sequences op by op (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..specs.model import LinearSpec, ModelSpec
 from .autograd import Autograd, Tensor
@@ -454,8 +454,6 @@ def tiled_mlp_block(ag: Autograd, c: LayerContext, x: Tensor) -> Tensor:
     gradient plus one tile's recomputed activations and gradients. Every tile has the same shape, so one is
     written on the tape.
     """
-    from dataclasses import replace
-
     tile = replace(c, batch_size=1, seq_len_tokens=c.tiled_mlp_tokens, tiled_mlp_tokens=0)
     out = ag.new(x.nbytes, True, "mlp:tiled-out")
     sub = Autograd(ag.tape, keep_saved=False)

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from ..setup import TrainSetup
 from ..specs.model import ModelSpec
 from ..units import GiB
-from . import adapters, weights
+from . import adapters, loss as loss_terms, overheads, weights
+from .autograd import Autograd
+from .estimate import LEAN_NORM_ROWS, TILE_TOKENS, _sliding_layers
+from .layers import LayerContext, decoder_layer, rms_norm
 from .tape import CATEGORIES, TRANSIENTS, Tape, replay
 
 #: The phases of a run, in the order they happen.
@@ -224,11 +227,6 @@ def eval_forward_events(m: ModelSpec, setup: TrainSetup, rows_tokens: int) -> li
     checkpoints only in training mode). The loss is the run's: hf (loss.py `hf_loss`: the model-dtype logits, their
     fp32 copy and the fp32 log-softmax live at once) or chunked (loss.py `chunked_loss(grads=False)`: under no_grad
     nothing needs a gradient, so each chunk's logits and their fp32 copy, eager even with `compile: layers`)."""
-    from . import loss as loss_terms, overheads
-    from .autograd import Autograd
-    from .estimate import LEAN_NORM_ROWS, TILE_TOKENS, _sliding_layers
-    from .layers import LayerContext, decoder_layer, rms_norm
-
     s = setup.replace(seq_len_tokens=rows_tokens)
     w = 2 if s.method == "qlora" else weights.DTYPE_BYTES[s.dtype]
     tape = Tape()

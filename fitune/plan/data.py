@@ -12,6 +12,7 @@ back to back in rows of the sequence length.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from ..data import load_tokenizer, read_records, tokenize_records
@@ -81,8 +82,6 @@ def choose_seq_len(profile: DataProfile, cap_tokens: int) -> tuple[int, int]:
 
 def batching(profile: DataProfile, seq_len_tokens: int, micro_batch: int, packing: bool) -> Batching:
     """Fill of one epoch: dynamic padding of shuffled micro-batches, or packing into rows of the sequence."""
-    import random
-
     clipped = [min(n, seq_len_tokens) for n in profile.lengths_tokens]
     random.Random(0).shuffle(clipped)
     real = sum(clipped)

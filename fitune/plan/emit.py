@@ -14,6 +14,7 @@ import json
 import os
 import re
 
+from ..config import DataConfig, TrainConfig
 from ..setup import TrainSetup
 from ..specs import optimizers as optimizer_specs
 from ..units import GiB
@@ -54,8 +55,6 @@ def train_config(plan: Plan, req: PlanRequest, model_arg: str, data_path: str | 
     The setup is the plan's, per GPU: `gpus:` and `strategy:` say how many GPUs and how they share the model
     (batch_size x grad_accum x gpus is the effective batch).
     """
-    from ..config import DataConfig, TrainConfig
-
     s = plan.setup
     model, _ = model_location(model_arg)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(os.path.normpath(model))) or "model"
@@ -135,8 +134,6 @@ def py_literal(text: str) -> str:
 def plan_yaml(plan: Plan, req: PlanRequest, model_arg: str, command: str, data_path: str | None = None,
               tokenizer: str | None = None) -> str:
     """The config file `--write` saves: the plan's header comments and the runner's keys."""
-    from ..units import GiB
-
     doc = train_config(plan, req, model_arg, data_path, tokenizer)
     _, is_folder = model_location(model_arg)
     comments = [

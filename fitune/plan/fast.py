@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..memory import estimate
+from ..memory.estimate import _sliding_layers
 from ..setup import TrainSetup
 from ..specs.gpu import GpuSpec
 from ..specs.model import ModelSpec
@@ -59,8 +60,6 @@ class FastEstimate:
 
 def layer_kinds(model: ModelSpec, seq_len_tokens: int) -> list[tuple[bool, bool]]:
     """(sliding window in effect, MoE) for each decoder layer, as the estimator sees them."""
-    from ..memory.estimate import _sliding_layers
-
     sliding = _sliding_layers(model) if model.sliding_window and seq_len_tokens > model.sliding_window else set()
     moe = _moe_layers(model)
     return [(i in sliding, i in moe) for i in range(model.num_layers)]
@@ -93,8 +92,6 @@ def shallow_spec(model: ModelSpec, k: int) -> ModelSpec:
         cfg["layer_types"] = cfg["layer_types"][:k]
     sliding_k = model.sliding_window_layers
     if model.sliding_window_layers:
-        from ..memory.estimate import _sliding_layers
-
         sliding_k = sum(1 for i in _sliding_layers(model) if i < k)
         if model.sliding_window_layers == model.num_layers:
             sliding_k = k

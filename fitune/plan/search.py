@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..memory import weights as weight_terms
+from ..memory.phases import HOST_RUNTIME_BASELINE_BYTES, run_host_floor
 from ..setup import DEFAULT_SETUP, TrainSetup
 from .measured import unmeasured_reasons
 from ..specs.gpu import GpuSpec, catalog_gpu_names, resolve_gpu
@@ -50,6 +51,7 @@ from ..specs.model import ModelSpec
 from ..specs import optimizers as optimizer_specs
 from ..units import GiB
 from . import throughput
+from .calibration import CASES, LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR, MEDIAN_ABS_ERROR, MODELS
 from .data import DataProfile, batching, packing_pays
 from .fast import FastEstimate, FastEstimator
 
@@ -610,8 +612,6 @@ def _offload_over_host(req: PlanRequest, micro: int, seq_len_tokens: int | None 
     request's host RAM."""
     if req.host_ram_bytes is None:
         return False
-    from ..memory.phases import HOST_RUNTIME_BASELINE_BYTES
-
     return HOST_RUNTIME_BASELINE_BYTES + _offload_host_bytes(req, micro, seq_len_tokens) > req.host_ram_bytes
 
 
@@ -964,8 +964,6 @@ def _host_ram_rejection(req: PlanRequest, method: str) -> Rejection | None:
     freeze: save_pretrained copies the whole model to the host)."""
     if req.host_ram_bytes is None:
         return None
-    from ..memory.phases import run_host_floor
-
     source = "gguf" if req.model.gguf_weights_type else "folder"
     need, phase, why = run_host_floor(req.model, _lightest(req, method), source)
     if need <= req.host_ram_bytes:
@@ -1044,8 +1042,6 @@ def _sharding_change(req: PlanRequest, minimum: FastEstimate) -> Change:
 def _notes(req: PlanRequest, plans: list[Plan]) -> list[str]:
     notes = []
     rates = throughput.gpu_rates(req.gpu)
-    from .calibration import CASES, LEAVE_ONE_MODEL_OUT_MEDIAN_ABS_ERROR, MEDIAN_ABS_ERROR, MODELS
-
     where = (f"scaled to the {req.gpu.name} by its dense {'bf16' if req.gpu.supports_bf16 else 'fp16'} peak and memory "
              "bandwidth (an assumption)") if rates.scaled else (
         "on the H200 itself" if rates.name == req.gpu.name else

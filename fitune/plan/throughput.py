@@ -37,8 +37,11 @@ Pure Python; no torch import.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
+import statistics
 from dataclasses import dataclass
 
 from ..memory.estimate import TILE_TOKENS
@@ -47,9 +50,10 @@ from ..memory import adapters as adapter_terms
 from ..memory import weights as weight_terms
 from ..perf.flops import forward_flops_per_token
 from ..setup import TrainSetup
-from ..specs.gpu import GpuSpec, gpu_catalog
-from ..specs.model import ModelSpec
+from ..specs.gpu import GpuSpec, gpu_catalog, resolve_gpu
+from ..specs.model import ModelSpec, load_model_spec
 from ..specs import optimizers as optimizer_specs
+from .calibration import COEFFICIENTS
 
 #: The calibration GPU: the bench ran on an H200; its catalog entry gives the peak and bandwidth of the fit.
 CALIBRATION_GPU = "h200"
@@ -289,8 +293,6 @@ def gpu_rates(gpu: GpuSpec | None) -> Rates:
         bw = gpu.memory_bandwidth_gb_s
         if peak and bw:
             return Rates(peak * 1e12, bw * 1e9, gpu.name, gpu.name != CALIBRATION_GPU, link_bytes_s(gpu)[1])
-    from ..specs.gpu import resolve_gpu
-
     return Rates(cal["peak_bf16_dense_tflops"] * 1e12, cal["memory_bandwidth_gb_s"] * 1e9, CALIBRATION_GPU, False,
                  link_bytes_s(resolve_gpu(CALIBRATION_GPU))[1])
 
@@ -304,8 +306,6 @@ def has_rates(gpu: GpuSpec | None) -> bool:
 
 
 def load_coefficients() -> dict[str, float]:
-    from .calibration import COEFFICIENTS
-
     return dict(COEFFICIENTS)
 
 
@@ -495,8 +495,6 @@ class Fit:
 
     @property
     def median_abs_error(self) -> float:
-        import statistics
-
         return statistics.median(abs(e) for e in self.errors)
 
     @property
@@ -512,8 +510,6 @@ SOURCES = ("bench/results/hf_recipe/hf_recipe.jsonl", "bench/results/speed/speed
 def read_measurements(path: str) -> list[Measured]:
     """The successful steps of a results file: an hf_recipe.jsonl (tokens/s from the fastest step after the first)
     or a speed.jsonl of bench/speed_calibration.py (the median over steps 3 and later; the setup in `setup`)."""
-    from ..specs.model import load_model_spec
-
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -533,8 +529,6 @@ def read_measurements(path: str) -> list[Measured]:
 
 def calibration_measurements(root: str) -> list[Measured]:
     """Every measured step of SOURCES under the repository `root`."""
-    import os
-
     return [m for src in SOURCES for m in read_measurements(os.path.join(root, src))]
 
 
@@ -545,8 +539,6 @@ def fit(measured: list[Measured], gpu: GpuSpec | None = None) -> Fit:
     Solved exactly by trying every subset of free terms (2^8 least-squares solves of at most 8 unknowns on one Gram
     matrix): small enough to need no numerical library.
     """
-    from ..specs.gpu import resolve_gpu
-
     rates = gpu_rates(gpu or resolve_gpu(CALIBRATION_GPU))
     unit = {t: 1.0 for t in TERMS}
     rows, targets = [], []
@@ -572,8 +564,6 @@ def fit(measured: list[Measured], gpu: GpuSpec | None = None) -> Fit:
 
 def leave_one_model_out(measured: list[Measured]) -> list[float]:
     """Errors of each case predicted by a fit made without any case of its model (out-of-sample errors)."""
-    from ..specs.gpu import resolve_gpu
-
     gpu = resolve_gpu(CALIBRATION_GPU)
     errors = []
     for name in sorted({r.model.name for r in measured}):
@@ -628,8 +618,6 @@ def fit_report(measured: list[Measured]) -> tuple[Fit, list[float]]:
     """The fit to every case and the leave-one-model-out errors (in the order of `measured`)."""
     result = fit(measured)
     loo_by_label: dict[int, float] = {}
-    from ..specs.gpu import resolve_gpu
-
     gpu = resolve_gpu(CALIBRATION_GPU)
     for name in sorted({r.model.name for r in measured}):
         c = fit([r for r in measured if r.model.name != name]).coefficients
@@ -642,8 +630,6 @@ def fit_report(measured: list[Measured]) -> tuple[Fit, list[float]]:
 def error_table(measured: list[Measured], errors: list[float], loo: list[float]) -> str:
     """docs/plan.md's table: |predicted / measured - 1| by model and stack, in-sample and with the model left out of
     the fit (median / max)."""
-    import statistics
-
     groups: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(measured):
         groups.setdefault((r.model.name, r.setup.stack), []).append(i)
@@ -657,8 +643,6 @@ def error_table(measured: list[Measured], errors: list[float], loo: list[float])
 
 
 def _summary(errors: list[float]) -> tuple[float, float]:
-    import statistics
-
     return round(statistics.median(abs(e) for e in errors), 4), round(max(abs(e) for e in errors), 4)
 
 
@@ -706,9 +690,6 @@ def write_calibration(root: str, out_py: str) -> tuple[Fit, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a maintenance script
-    import argparse
-    import os
-
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     p = argparse.ArgumentParser(description="refit the throughput model to the measured steps of SOURCES")

@@ -28,9 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError
+from ..data.encode import load_tokenizer as load_data_tokenizer
+from ..errors import ConfigError, DataError, FituneError
+from ..setup import unknown_targets_problem
+from ..specs.model import resolve_model_source
+from ..specs.sources import (announce_remote_code, cached_hub_snapshot, config_json_problem, is_gguf_path, is_hub_id,
+                             local_model, short_error)
 from .device import torch_dtype
 from .layers import find_decoder_layers
+from .needs import FLASH, QLORA, cuda_problem, flash_dtype_problem, machine_problems
+# the techniques as modules: `prepare_model` looks each `enable_*` up when it runs (tests/test_runner_parity.py wraps
+# them to count the calls)
+from .techniques import (compile_layers, fused_kernels, lean_lora, lean_norm, offload, offload_embeddings,
+                         tiled_mlp)
 
 if TYPE_CHECKING:
     from ..setup import TrainSetup
@@ -74,8 +84,6 @@ def build_model(source: Any, *, dtype_name: str = "bf16", attn: str = "sdpa", de
     if quantize not in (None, "nf4"):
         raise ConfigError(f"quantize: {quantize!r} is not one of: nf4 (or none)")
     if quantize == "nf4" and device != "cuda":
-        from .needs import QLORA, cuda_problem
-
         raise ConfigError(cuda_problem(QLORA))
     attn = hf_attn_implementation(attn, device, "bf16" if quantize == "nf4" else dtype_name)
     if init == "auto":
@@ -126,8 +134,6 @@ def _refuse_pickle_weights(source: str, folder: str) -> None:
 def _load_errors(source: Any, folder: str | None, config: dict | None):
     """Turn what transformers / safetensors raise while reading a model into one ConfigError naming the file (and
     the config.json key) that caused it. Out-of-memory errors and fitune's own errors pass through as they are."""
-    from ..errors import FituneError
-
     try:
         yield
     except (FituneError, MemoryError, torch.OutOfMemoryError):
@@ -141,8 +147,6 @@ def _load_errors(source: Any, folder: str | None, config: dict | None):
 def _load_problem(source: str, folder: str | None, config: dict | None, exc: Exception) -> str:
     """What `_load_errors` says about `exc`: a damaged .safetensors file, weights whose shapes config.json does not
     give, or a config.json value transformers refuses."""
-    from ..specs.sources import config_json_problem, short_error
-
     detail = short_error(exc)
     if folder is not None and type(exc).__name__ == "SafetensorError":
         damaged = _damaged_safetensors(folder) or "its .safetensors files"
@@ -178,14 +182,10 @@ def _from_pretrained(source: Any, *, dtype_name: str, attn: str, device: str, qu
     (safetensors only; a folder of pickle weights is refused), its errors wrapped with the file they are about."""
     from transformers import AutoModelForCausalLM
 
-    from ..specs.sources import local_model
-
     where = local_model(str(source), download=True)  # a Hub id not in the cache is downloaded here
     if not where.gguf_file:
         _refuse_pickle_weights(str(source), where.folder)
     if trust_remote_code:
-        from ..specs.sources import announce_remote_code
-
         announce_remote_code(str(source), where.folder, log)
     kwargs = {"dtype": torch_dtype(dtype_name), "attn_implementation": attn,
               "trust_remote_code": trust_remote_code, **where.from_pretrained_kwargs()}
@@ -221,8 +221,6 @@ def hf_attn_implementation(attn: str, device: str, dtype_name: str = "bf16") -> 
     flash` without a GPU before it gets here (`fitune.train.preflight.preflight_problems`)."""
     if attn != "flash":
         return attn
-    from .needs import FLASH, flash_dtype_problem, machine_problems
-
     if device != "cuda":
         log.warning("attn: flash (flash-attention 2) runs on CUDA only; this %s model uses sdpa", device)
         return "sdpa"
@@ -271,8 +269,6 @@ def _has_weights(source: Any) -> bool:
     snapshot with weight files."""
     if not isinstance(source, str):
         return False
-    from ..specs.sources import cached_hub_snapshot, is_gguf_path, is_hub_id
-
     if os.path.isfile(source) and is_gguf_path(source):
         return True
     folder = cached_hub_snapshot(source) if is_hub_id(source) else source
@@ -287,8 +283,6 @@ def _hf_config(source: Any) -> dict:
         return source
     if hasattr(source, "hf_config"):
         return source.hf_config
-    from ..specs.model import resolve_model_source
-
     return resolve_model_source(str(source)).hf_config
 
 
@@ -364,9 +358,6 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     Raises:
         ConfigError: no tokenizer can be loaded from `path`, or it has neither a pad nor an eos token.
     """
-    from ..data.encode import load_tokenizer as load_data_tokenizer
-    from ..errors import DataError
-
     try:
         tok = load_data_tokenizer(str(path), trust_remote_code, key="tokenizer:", download=True)
     except DataError as exc:
@@ -389,38 +380,24 @@ def prepare_model(model, s: TrainSetup):
     Shared by train, profile and the GPU benchmarks. (The allocator's settings are made before CUDA starts:
     `fitune.runtime.device.configure_allocator`.) Returns the model to train (PEFT's wrapper for LoRA)."""
     if s.kernels == "liger":  # before LoRA wraps the projections: Liger patches the base model's modules
-        from .techniques.fused_kernels import enable_liger_kernels
-
-        enable_liger_kernels(model)
+        fused_kernels.enable_liger_kernels(model)
     model = make_trainable(model, s)
     if s.lean_lora:
-        from .techniques.lean_lora import enable_lean_lora
-
-        enable_lean_lora(model)
+        lean_lora.enable_lean_lora(model)
     if s.lean_norm:
-        from .techniques.lean_norm import enable_lean_norm
-
-        enable_lean_norm(model)
+        lean_norm.enable_lean_norm(model)
     if s.tiled_mlp:
-        from .techniques.tiled_mlp import enable_tiled_mlp
-
-        enable_tiled_mlp(model)
+        tiled_mlp.enable_tiled_mlp(model)
     if s.grad_checkpointing != "none":
         set_checkpointing(model, True)
-        from .techniques.offload import enable_offloaded_checkpointing, enable_selective_checkpointing
-
         if s.checkpointed_layers_mode == "offload":
-            enable_offloaded_checkpointing(model)
+            offload.enable_offloaded_checkpointing(model)
         elif s.checkpointed_layers_mode == "selective":
-            enable_selective_checkpointing(model, s.selective_k())
+            offload.enable_selective_checkpointing(model, s.selective_k())
     if s.offload_embeddings:
-        from .techniques.offload_embeddings import enable_offloaded_embeddings
-
-        enable_offloaded_embeddings(model)
+        offload_embeddings.enable_offloaded_embeddings(model)
     if s.compile == "layers":  # last: the compiled layers trace the LoRA branch and norms set above
-        from .techniques.compile_layers import enable_compiled_layers
-
-        enable_compiled_layers(model)
+        compile_layers.enable_compiled_layers(model)
     return model
 
 
@@ -457,8 +434,6 @@ def wrap_lora(model, rank: int, targets: list[str] | str, alpha: int = 16, dropo
     except ValueError as exc:  # PEFT's NoMatchingPeftModuleError: no module has any of these names
         if "not found in the base model" not in str(exc):
             raise
-        from ..setup import unknown_targets_problem
-
         names = layer_linear_names(model)
         asked = [target_modules] if isinstance(target_modules, str) else target_modules
         unknown = [t for t in asked if t not in names] or asked

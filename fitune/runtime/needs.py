@@ -14,10 +14,18 @@ is imported only by `cuda_available`, and only when it is installed.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 
+from ..errors import FituneError
+from ..memory import estimate, phases as phase_terms
+from ..memory.phases import (HOST_LOAD_BASELINE_BYTES, HOST_RUNTIME_BASELINE_BYTES, SAVE_PRETRAINED_SHARD_BYTES,
+                             dense_weight_bytes, phase_peaks, source_of)
 from ..specs import optimizers as optimizer_specs
+from ..specs.gpu import cuda_context_bytes, resolve_gpu
+from ..specs.model import load_model_spec
+from ..units import gib
 
 #: pip's name of each module fitune may import for a run (the import name is the key).
 PIP_NAMES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "bitsandbytes": "bitsandbytes",
@@ -157,11 +165,6 @@ HOST_MODEL_SHARE_MIN_BYTES = 1 << 30
 def run_phases_for(cfg, on_cuda: bool):
     """(ModelSpec, source, phase peaks) of the run `cfg` describes, or None when fitune cannot model its
     architecture (then nothing is checked). Pure Python: the analytic estimator (no torch)."""
-    from ..errors import FituneError
-    from ..memory import estimate
-    from ..memory.phases import phase_peaks, source_of
-    from ..specs.model import load_model_spec
-
     try:
         spec = load_model_spec(cfg.model)
         est = estimate(spec, cfg.setup, device="cuda" if on_cuda else "cpu")
@@ -175,10 +178,7 @@ def host_ram_problems(cfg, on_cuda: bool, mem_available_bytes: int | None = None
     """What stops the run for host memory, said before loading: the load phase's or the training step's host bytes
     (fitune/memory/phases.py) clearly over MemAvailable (`HOST_SHORTFALL_RATIO`, `HOST_MODEL_SHARE_MIN_BYTES`).
     `mem_available_bytes`: /proc/meminfo MemAvailable when None (no check where there is none)."""
-    from ..memory.phases import HOST_LOAD_BASELINE_BYTES, HOST_RUNTIME_BASELINE_BYTES, meminfo_bytes
-    from ..units import gib
-
-    available = meminfo_bytes("MemAvailable") if mem_available_bytes is None else mem_available_bytes
+    available = phase_terms.meminfo_bytes("MemAvailable") if mem_available_bytes is None else mem_available_bytes
     phases = phases if phases is not None else run_phases_for(cfg, on_cuda)
     if not available or phases is None:
         return []
@@ -214,8 +214,6 @@ def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
     """Phases of the run other than the training step whose GPU peak is over `gpu_budget_bytes` (the eval step
     when data.eval_path is set, saving), said before the run; and `merge: true`, whose merged model goes
     through host memory when it is written."""
-    from ..units import gib
-
     phases = phases if phases is not None else run_phases_for(cfg, gpu_budget_bytes is not None)
     if phases is None:
         return []
@@ -229,8 +227,6 @@ def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
                        + ("use a smaller batch_size or loss: chunked for evaluation" if p.name == "eval_step"
                           else "fewer trainable parameters"))
     if getattr(cfg, "merge", False) and cfg.setup.method in ("lora", "qlora"):
-        from ..memory.phases import SAVE_PRETRAINED_SHARD_BYTES, dense_weight_bytes
-
         merged = min(dense_weight_bytes(spec, "bf16" if cfg.setup.method == "qlora" else cfg.setup.dtype),
                      SAVE_PRETRAINED_SHARD_BYTES)
         out.append(f"merge: true writes the merged model at the end through host memory (~{gib(merged)} copied "
@@ -245,8 +241,6 @@ def gpu_budget_bytes() -> int | None:
         return None
     import torch
 
-    from ..specs.gpu import cuda_context_bytes
-
     props = torch.cuda.get_device_properties(0)
     return int(props.total_memory) - cuda_context_bytes(f"{props.major}.{props.minor}")
 
@@ -254,14 +248,10 @@ def gpu_budget_bytes() -> int | None:
 def memory_problems(cfg, on_cuda: bool, warn=None) -> list[str]:
     """`fitune train`'s memory preflight, before anything loads: the problems that stop the run
     (`host_ram_problems`), after handing every `phase_warnings` line to `warn` (default: logging.warning)."""
-    import logging
-
     phases = run_phases_for(cfg, on_cuda)
     warn = warn or logging.getLogger(__name__).warning
     budget = gpu_budget_bytes() if on_cuda else None
     if on_cuda and getattr(cfg, "cap", None):  # the run caps the allocator at a smaller card's budget
-        from ..specs.gpu import resolve_gpu
-
         budget = resolve_gpu(str(cfg.cap), "cap").allocator_budget_bytes
     for line in phase_warnings(cfg, budget, phases):
         warn(f"fitune train: {line}")

@@ -14,6 +14,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from ..memory import estimate
+from ..memory.suggest import suggest_changes
+from ..specs.gpu import resolve_gpu
+from ..specs.model import load_model_spec
 from ..units import GiB, MiB, human_bytes
 
 _REQUEST_RE = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
@@ -97,9 +101,6 @@ def build_report(exc: BaseException, tracker=None, model_spec=None, setup=None, 
         rep.budget_bytes = gpu.allocator_budget_bytes
     if model_spec is not None and setup is not None:
         try:
-            from ..memory import estimate
-            from ..memory.suggest import suggest_changes
-
             est = estimate(model_spec, setup, gpu, device=device)
             rep.estimate_peak_allocated_bytes = est.peak_allocated_bytes
             rep.estimate_peak_reserved_bytes = est.peak_reserved_bytes
@@ -216,12 +217,8 @@ def oom_report(model=None, setup=None, gpu=None, model_spec=None, tracker=None, 
         except Exception:  # noqa: BLE001
             recording = False
     if isinstance(model_spec, str):
-        from ..specs.model import load_model_spec
-
         model_spec = load_model_spec(model_spec)
     if isinstance(gpu, str):
-        from ..specs.gpu import resolve_gpu
-
         gpu = resolve_gpu(gpu)
     try:
         yield

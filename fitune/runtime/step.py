@@ -20,6 +20,9 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from ..errors import FituneError
+from .techniques.offload_embeddings import compute_device
+
 PhaseHook = Callable[[str], ContextManager]
 """`phase(name)` returns a context manager entered around each phase: "forward", "backward", "optimizer"."""
 
@@ -66,8 +69,6 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     if recipe:
         out = model(input_ids=input_ids, labels=labels, **extra)
         return out if return_output else out.loss
-    from .techniques.offload_embeddings import compute_device
-
     device = compute_device(model)  # not the first parameter's: an offloaded embedding table is on the CPU
     # use_cache=False: no KV cache in training, and transformers builds the packed-sequence mask (examples kept
     # apart by their restarting position_ids) only when no cache is passed
@@ -200,8 +201,6 @@ def require_gradients(model) -> None:
     starts at zero, so at the first step A's gradients are zero by design, but B's are not. One `amax` and one
     `amin` per parameter (no tensor of a gradient's size is made), read back once. Each process checks its own
     gradients (a sharded one, its shard)."""
-    from ..errors import FituneError
-
     grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2's DTensor: this rank's shard
     grads = [g for g in grads if g.numel()]

@@ -21,6 +21,7 @@ GGUF: the header is read here (format: https://github.com/ggml-org/ggml/blob/mas
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -396,8 +397,6 @@ def remote_code_files(folder: str) -> list[str]:
     its config.json and tokenizer_config.json name ("modeling_x.XForCausalLM" -> modeling_x.py), in order, once
     each. Entries of another repository ("org/repo--modeling_x.X") are named as they are written. Empty when no
     auto_map (transformers then builds its own classes and runs no code of the folder)."""
-    import json
-
     files: list[str] = []
     for name in AUTO_MAP_FILES:
         try:
@@ -458,8 +457,6 @@ def config_json_problem(folder: str, exc: BaseException, config: dict | None = N
 
 
 def _read_json_object(path: str) -> dict | None:
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)

@@ -55,14 +55,18 @@ a packed-sequence attention mask that the real run never builds. See `_fake_swap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from fitune.errors import ConfigError, FituneError, UnknownModelError
+from fitune.runtime.optim import build_optimizer
 from fitune.setup import TrainSetup
 from fitune.specs import optimizers as optimizer_specs
+from fitune.specs.model import resolve_model_source
 from fitune.trace.support import TraceModelError, TraceUnsupportedError, check_setup
 from fitune.trace.tracker import make_tracker
 
@@ -136,8 +140,6 @@ def trace_training_step(model: Any, setup: TrainSetup, *, steps: int = 2) -> Tra
 def _resolve_model(model: Any) -> tuple[str, dict]:
     """(name, config.json dict) of whatever `trace_training_step` was given."""
     if isinstance(model, str):
-        from fitune.specs.model import resolve_model_source
-
         src = resolve_model_source(model)
         name, cfg = src.name, src.hf_config
     elif isinstance(model, dict):
@@ -241,7 +243,6 @@ def _prepare_model(hf_config: dict, setup: TrainSetup, label: str, model_type: s
 
     from fitune.runtime.layers import find_decoder_layers
     from fitune.runtime.model import build_random_model, set_checkpointing
-    from fitune.runtime.optim import build_optimizer
 
     ckpt_mode = setup.checkpointed_layers_mode  # none | full | selective
     model = _build(build_random_model, hf_config, setup, label, model_type)
@@ -449,8 +450,6 @@ def _peft_default_targets(model, setup: TrainSetup, label: str, model_type: str,
     """`setup`, or, when its LoRA targets are fitune's default (q_proj, v_proj: the user named none) and the model
     has none of them, `setup` with PEFT's default targets for the model_type (what `target_modules=None` does).
     Targets the user named are never replaced: missing ones stay an error (`_missing_targets_message`)."""
-    import dataclasses
-
     if setup.method != "lora" or setup.all_linear:
         return setup
     default = {f.name: f.default for f in dataclasses.fields(TrainSetup)}["lora_targets"]
@@ -622,8 +621,6 @@ def _fake_swap_fix(mode):
     memo = mode.fake_tensor_converter.meta_converter.tensor_memo
 
     def swap_tensors(t1, t2):
-        import weakref
-
         if weakref.getweakrefcount(t1) or weakref.getweakrefcount(t2):
             for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
                 memo.pop(key, None)

@@ -14,14 +14,13 @@ patches the model's existing modules for the model types Liger supports.
 from __future__ import annotations
 
 from ...errors import ConfigError
+from ..needs import LIGER, cuda_problem, machine_problems
 
 KWARGS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def enable_liger_kernels(model) -> None:
     """Patch `model` (a transformers causal LM, not yet PEFT-wrapped) with Liger's kernels, or explain why not."""
-    from ..needs import LIGER, cuda_problem, machine_problems
-
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError as exc:

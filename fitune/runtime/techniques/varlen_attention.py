@@ -33,6 +33,8 @@ tests/test_varlen_kernel.py; timing on the GPU: bench/packed_attention.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 NAME = "fitune_varlen"
@@ -137,8 +139,6 @@ changed what is learned would be a bug."""
 def kernel_available(device) -> bool:
     """Whether the kernel path is turned on (`KERNEL_ENV`) and torch's `varlen_attn` can run on `device` (a CUDA
     device, torch >= 2.10)."""
-    import os
-
     return (os.environ.get(KERNEL_ENV) == "1" and torch.device(device).type == "cuda"
             and load_kernel() is not None)
 
