@@ -10,6 +10,7 @@ The random moments come from a seeded generator (the kill times are still wall-c
 in varies from run to run; every kill is checked the same way).
 """
 
+import dataclasses
 import errno
 import json
 import os
@@ -33,6 +34,7 @@ from safetensors.torch import load_file  # noqa: E402
 from fitune.cli.main import main  # noqa: E402
 from fitune.config import TrainConfig, config_from_dict  # noqa: E402
 from fitune.errors import ConfigError  # noqa: E402
+from fitune.specs import optimizers as optimizer_specs  # noqa: E402
 from fitune.train import checkpoint, outdir  # noqa: E402
 from fitune.train.loop import train  # noqa: E402
 
@@ -697,6 +699,84 @@ def test_resume_applies_or_refuses_every_config_key_by_name():
                                               | {k: now[k] for k in applies if k not in saved})
     assert sorted(line.split(" ")[1] for line in applied) == sorted(applies)
     print(f"{len(keys)} config keys: {len(applies)} applied on --resume, {len(keys - applies)} refused")
+
+
+def _optimizer_change(before: str, after: str) -> list[str]:
+    """check_config_changes on the default config with only `optimizer` changed from `before` to `after`."""
+    saved = checkpoint.flat_config(TrainConfig().to_dict())
+    return checkpoint.check_config_changes(saved | {"optimizer": before}, saved | {"optimizer": after})
+
+
+@pytest.mark.parametrize("before,after", [("adamw8bit", "paged_adamw8bit"), ("paged_adamw8bit", "adamw8bit"),
+                                          ("adamw_bnb_8bit", "paged_adamw_8bit")])
+def test_resume_applies_an_optimizer_change_that_keeps_the_same_state(before, after):
+    """bitsandbytes' AdamW8bit and PagedAdamW8bit keep one state format (the registry's `state_format`): --resume
+    applies the change and says why; the names may be aliases."""
+    was, now = (optimizer_specs.canonical_name(n) for n in (before, after))
+    assert _optimizer_change(before, after) == [
+        f'--resume: optimizer changed from "{before}" to "{after}" since the checkpoint; applied: both keep the same '
+        f"optimizer state ({optimizer_specs.get(now).state_format})"]
+    assert optimizer_specs.get(was).state_format == optimizer_specs.get(now).state_format
+
+
+@pytest.mark.parametrize("before,after", [("adamw_bnb_8bit", "adamw8bit"), ("adamw", "adamw_torch_fused"),
+                                          ("paged_adamw_8bit", "paged_adamw8bit")])
+def test_resume_reads_an_alias_as_the_same_optimizer(before, after):
+    assert _optimizer_change(before, after) == []  # not a change: nothing to apply, nothing to refuse
+
+
+@pytest.mark.parametrize("before,after", [("adamw", "adamw8bit"), ("adamw8bit", "adamw"), ("adamw", "paged_adamw8bit"),
+                                          ("adamw", "sgd"), ("adafactor", "adamw"), ("sgd", "adafactor")])
+def test_resume_refuses_an_optimizer_change_across_state_formats(before, after):
+    """torch's AdamW and bitsandbytes' 8-bit AdamW (or any two optimizers of different state formats) cannot load
+    each other's state: refused, naming the key, both values, why, and the two ways out."""
+    was, now = optimizer_specs.get(before), optimizer_specs.get(after)
+    with pytest.raises(ConfigError) as refused:
+        _optimizer_change(before, after)
+    assert str(refused.value) == (
+        f'--resume: optimizer changed from "{before}" to "{after}" since the checkpoint; the saved optimizer state is '
+        f"{before}'s ({was.state_format}), which {after} ({now.state_format}) cannot load; a resumed run keeps the "
+        f'saved value: start a new run with --overwrite, or restore optimizer: "{before}"'), str(refused.value)
+
+
+def test_resume_refuses_an_optimizer_the_registry_does_not_know():
+    with pytest.raises(ConfigError, match='optimizer changed from "lion" to "adamw" since the checkpoint; "lion" is '
+                                          'not an optimizer fitune knows; .* restore optimizer: "lion"'):
+        _optimizer_change("lion", "adamw")
+
+
+def test_resume_decides_every_optimizer_pair_by_the_registry():
+    """Every ordered pair of registry entries: applied exactly when the two keep the same state format."""
+    for was in optimizer_specs.REGISTRY:
+        for now in optimizer_specs.REGISTRY:
+            if was is now:
+                assert _optimizer_change(was.name, now.name) == []
+            elif was.state_format == now.state_format:
+                assert len(_optimizer_change(was.name, now.name)) == 1
+            else:
+                with pytest.raises(ConfigError, match=f'from "{was.name}" to "{now.name}"'):
+                    _optimizer_change(was.name, now.name)
+
+
+def test_a_resumed_run_continues_with_an_optimizer_of_the_same_state(workspace, tmp_path, capsys, monkeypatch):
+    """End to end on the CPU: a registry entry of AdamW's state format ("adamw_twin": another name for
+    torch.optim.AdamW, as paged_adamw8bit is for adamw8bit's state) takes over a run at its checkpoint; the resumed
+    run loads the saved moments into it and reproduces the uninterrupted run's losses bit for bit."""
+    twin = dataclasses.replace(optimizer_specs.get("adamw"), name="adamw_twin", aliases=(), hf_optim="adamw_twin",
+                               script_classes=("AdamWTwin",))
+    monkeypatch.setattr(optimizer_specs, "REGISTRY", optimizer_specs.REGISTRY + (twin,))
+    whole, out = str(tmp_path / "whole"), str(tmp_path / "run")
+    train(config_from_dict(_doc(workspace, whole, max_steps=4), "test"), progress=False)
+    train(config_from_dict(_doc(workspace, out, max_steps=2), "test"), progress=False)
+    capsys.readouterr()
+    cfg = config_from_dict(_doc(workspace, out, max_steps=4), "test")  # the YAML's choices were read at import
+    train(dataclasses.replace(cfg, setup=cfg.setup.replace(optimizer="adamw_twin")), resume=True, progress=False)
+    assert ('--resume: optimizer changed from "adamw" to "adamw_twin" since the checkpoint; applied: both keep the '
+            "same optimizer state (torch AdamW)") in capsys.readouterr().err
+    losses = [(line["step"], line["loss"]) for line in _lines(out) if "loss" in line]
+    assert losses == [(line["step"], line["loss"]) for line in _lines(whole) if "loss" in line]
+    assert len(losses) == 4
+    assert checkpoint.read_state(os.path.join(out, "checkpoints", "step-000004"))["config"]["optimizer"] == "adamw_twin"
 
 
 def test_a_resumed_run_takes_every_change_it_can_apply(workspace, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Issue 34: a file's dependencies are visible at its top. Read from the source with `ast` (nothing imported but
 `fitune.cli.main`, once, in a subprocess):
 
-- across fitune/ (`CLEANED`: every part, `EXCLUDED_FILES` aside), every import inside a function is of a module in
+- across fitune/ (`CLEANED`: every part), every import inside a function is of a module in
   an allow-list, each with its reason: an optional heavy package (`HEAVY_PACKAGES`), a fitune module that imports a
   heavy package at module level (`HEAVY_MODULES`: the pure estimator and `fitune --help` never load torch), or a
   fitune module kept out of `fitune --help`, which imports every command module (`KEPT_OUT_OF_HELP`); an import
@@ -28,13 +28,6 @@ CLEANED = ("errors", "units", "files", "specs", "schema", "setup", "datasource",
            "integrations", "translate", "cli", "__init__", "__main__")
 """fitune's parts whose function-level imports are checked: every one (tests/test_layering.py's LAYERS, bottom
 first, and the root package's own modules); `test_every_part_is_cleaned` keeps it so."""
-
-EXCLUDED_FILES = {
-    "fitune/runtime/optim.py": "edited in parallel; issue 34",
-    "fitune/specs/optimizers.py": "edited in parallel; issue 34",
-    "fitune/train/checkpoint.py": "edited in parallel; issue 34",
-}
-"""Files left out of the check for now, path relative to the repository -> why."""
 
 _OPTIONAL = "optional heavy package: imported where used, so that estimate, plan and doctor SCRIPT never load it"
 HEAVY_PACKAGES = {
@@ -140,13 +133,10 @@ def _reason(target: str) -> str | None:
 
 
 def _checked_files(pkg: str = PKG, parts=CLEANED):
-    """The files of `parts` (a package folder, or a module: `config` is fitune/config.py), `EXCLUDED_FILES` aside."""
-    root = os.path.dirname(pkg)
+    """The files of `parts` (a package folder, or a module: `config` is fitune/config.py)."""
     for part in parts:
         folder = os.path.join(pkg, part)
-        for path in _python_files(folder) if os.path.isdir(folder) else [folder + ".py"]:
-            if os.path.relpath(path, root).replace(os.sep, "/") not in EXCLUDED_FILES:
-                yield path
+        yield from _python_files(folder) if os.path.isdir(folder) else [folder + ".py"]
 
 
 def unexplained_imports(pkg: str = PKG, parts=CLEANED) -> list[str]:
@@ -164,8 +154,6 @@ def test_every_part_is_cleaned():
     parts = {name[:-3] if name.endswith(".py") else name for name in os.listdir(PKG) if name != "__pycache__"}
     assert sorted(parts - set(CLEANED)) == [], "add these parts of fitune/ to CLEANED"
     assert sorted(set(CLEANED) - parts) == [], "CLEANED names parts fitune/ no longer has"
-    gone = [f for f in EXCLUDED_FILES if not os.path.isfile(os.path.join(ROOT, f))]
-    assert gone == [], f"EXCLUDED_FILES names files that no longer exist: {gone}"
 
 
 def test_function_level_imports_in_the_cleaned_parts_are_allowed_and_counted():

@@ -6,7 +6,8 @@
 - no import cycle between fitune's parts, nor between the modules inside any package (imports under
   `if TYPE_CHECKING:` are left out of the module check: they never run; the layer check counts them);
 - `fitune.profile` is used by nothing but itself and `fitune profile`'s command;
-- one model builder, one training step, one optimizer factory across fitune/ and bench/.
+- one model builder, one training step, one optimizer factory (and one place that imports the optimizer registry's
+  classes by their dotted names) across fitune/ and bench/.
 """
 
 from __future__ import annotations
@@ -318,9 +319,27 @@ def _imports_torch(tree) -> bool:
     return False
 
 
+def _registry_builds() -> list[str | None]:
+    """Each optimizer registry entry's `build=` (the dotted class it builds: `torch.optim.AdamW`; None where it is
+    not a literal), read from fitune/specs/optimizers.py's source: an entry added there is recognised here with no
+    edit."""
+    tree = ast.parse(open(os.path.join(PKG, "specs", "optimizers.py"), encoding="utf-8").read())
+    entries = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _dotted(n.func) == "OptimizerSpec"]
+    return [next((k.value.value for k in n.keywords if k.arg == "build" and isinstance(k.value, ast.Constant)), None)
+            for n in entries]
+
+
+REGISTRY_CLASSES = frozenset(_registry_builds())
+
+
 def _kinds(func, uses_torch: bool) -> set[str]:
-    """What `func` itself does (nested functions are inspected on their own)."""
+    """What `func` itself does (nested functions are inspected on their own). An optimizer factory constructs an
+    optimizer: it names a class of torch.optim / bitsandbytes.optim or one the registry builds (the dotted name, or
+    a call by the bare class name: `Adafactor(...)`), or it calls the class the registry's dotted name resolves to
+    (`optimizer_class(spec)(...)`). An optimizer class resolver imports a registry entry's `build` by name."""
     kinds = set()
+    bare = {c.rpartition(".")[2] for c in REGISTRY_CLASSES}
+    imports_by_name = reads_build = False
     todo = list(ast.iter_child_nodes(func))
     while todo:
         node = todo.pop()
@@ -330,13 +349,17 @@ def _kinds(func, uses_torch: bool) -> set[str]:
         if isinstance(node, ast.Attribute):
             name = _dotted(node)
             head, _, last = name.rpartition(".")
-            if head in ("torch.optim", "bnb.optim", "bitsandbytes.optim") and last[:1].isupper() \
-                    and last != "Optimizer":
+            if (head in ("torch.optim", "bnb.optim", "bitsandbytes.optim") and last[:1].isupper()
+                    and last != "Optimizer") or name in REGISTRY_CLASSES:
                 kinds.add("optimizer factory")
+            reads_build = reads_build or node.attr == "build"
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
-            if name.endswith("Adafactor"):
+            if name.rpartition(".")[2] in bare:
                 kinds.add("optimizer factory")
+            if isinstance(node.func, ast.Call) and _dotted(node.func.func).endswith("optimizer_class"):
+                kinds.add("optimizer factory")  # the class the registry names, constructed
+            imports_by_name = imports_by_name or name.endswith("import_module") or name == "__import__"
             if name.endswith(("ForCausalLM.from_pretrained", "ForCausalLM.from_config")):
                 kinds.add("model builder")
             # `x.backward()`: a training step; torch.autograd.backward inside a custom op's backward is not one,
@@ -344,6 +367,8 @@ def _kinds(func, uses_torch: bool) -> set[str]:
             if uses_torch and isinstance(node.func, ast.Attribute) and node.func.attr == "backward" \
                     and name != "torch.autograd.backward":
                 kinds.add("training step")
+    if imports_by_name and reads_build:
+        kinds.add("optimizer class resolver")
     return kinds
 
 
@@ -368,4 +393,22 @@ def test_one_model_builder_one_step_one_optimizer_factory():
         "model builder": ["fitune/runtime/model.py:build_model", "fitune/runtime/model.py:_from_pretrained"],
         "training step": ["fitune/runtime/step.py:train_step"],
         "optimizer factory": ["fitune/runtime/optim.py:build_optimizer"],
+        "optimizer class resolver": ["fitune/runtime/optim.py:optimizer_class"],
     }, dict(found)
+
+
+def test_the_optimizer_factory_check_knows_every_registry_class():
+    """The factory check reads the registry's classes from its source, so a new entry is recognised wherever else it
+    would be built, by its dotted name or its bare class name; and it recognises each way of building one."""
+    builds = _registry_builds()
+    assert len(builds) >= 5 and None not in builds, builds  # every entry's class is a literal this check reads
+    assert {"torch.optim.AdamW", "torch.optim.SGD", "bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit",
+            "transformers.optimization.Adafactor"} <= REGISTRY_CLASSES
+    for source in ("def f(p):\n    return transformers.optimization.Adafactor(p)\n",
+                   "def f(p):\n    return PagedAdamW8bit(p, lr=1)\n",
+                   "def f(p):\n    return torch.optim.RMSprop(p)\n",
+                   "def f(spec, p):\n    return optimizer_class(spec)(p, lr=1)\n"):
+        assert _kinds(ast.parse(source).body[0], True) == {"optimizer factory"}, source
+    resolver = ("def f(spec):\n    m, _, a = spec.build.rpartition('.')\n"
+                "    return getattr(importlib.import_module(m), a)\n")
+    assert _kinds(ast.parse(resolver).body[0], True) == {"optimizer class resolver"}

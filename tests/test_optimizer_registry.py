@@ -7,10 +7,11 @@ import ast
 import dataclasses
 import importlib
 import os
+import sys
 
 import pytest
 
-from fitune.errors import ConfigError
+from fitune.errors import ConfigError, FituneError
 from fitune.specs import optimizers as optimizer_specs
 from fitune.specs.optimizers import REGISTRY, OptimizerSpec
 
@@ -43,10 +44,33 @@ def test_every_entry_is_complete(spec: OptimizerSpec):
     assert spec.family in ("adam", "adafactor", "sgd")
     assert spec.state_bits in (0, 8, 32)
     assert spec.step_layout in optimizer_specs.STEP_LAYOUTS
-    assert spec.resume == "refused"
     assert spec.step_state_bytes_per_param >= 0
     assert (spec.cuda is None) == (not spec.packages)  # every extra package here is a CUDA kernel library
     assert (spec.trace_note is None) == (spec.cuda is not None)  # the trace engine runs on fake CPU tensors
+
+
+def test_every_entry_declares_its_state_format():
+    """`state_format` has no default: an entry cannot be added without saying whose saved state it loads (--resume's
+    policy). Entries of one format must keep the same state: the same formula, precision and update."""
+    (f,) = [f for f in dataclasses.fields(OptimizerSpec) if f.name == "state_format"]
+    assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    formats: dict[str, list[OptimizerSpec]] = {}
+    for spec in REGISTRY:
+        assert isinstance(spec.state_format, str) and spec.state_format, spec.name
+        formats.setdefault(spec.state_format, []).append(spec)
+    for fmt, specs in formats.items():
+        assert len({(s.family, s.state_bits, s.state_tensor_bytes, s.factored) for s in specs}) == 1, fmt
+    # bitsandbytes' AdamW8bit and PagedAdamW8bit are one class underneath (is_paged only places the state); torch's
+    # AdamW keeps other tensors (exp_avg, exp_avg_sq) than bitsandbytes' (state1, state2, absmax1, absmax2)
+    assert sorted(sorted(s.name for s in specs) for specs in formats.values()) == [
+        ["adafactor"], ["adamw"], ["adamw8bit", "paged_adamw8bit"], ["sgd"]]
+
+
+def test_canonical_name_reads_aliases():
+    assert optimizer_specs.canonical_name("adamw8bit") == "adamw8bit"
+    assert optimizer_specs.canonical_name("adamw_bnb_8bit") == "adamw8bit"
+    assert optimizer_specs.canonical_name("adamw_torch_fused") == "adamw"
+    assert optimizer_specs.canonical_name("lion") is None
 
 
 @pytest.mark.parametrize("spec", REGISTRY, ids=lambda s: s.name)
@@ -112,6 +136,41 @@ def test_build_returns_an_optimizer_on_the_cpu(spec: OptimizerSpec):
     p.grad = torch.ones_like(p)
     opt.step()
     assert not torch.equal(p.detach(), torch.ones(8, 4))  # it updated the parameter
+
+
+def test_a_new_entry_is_built_from_the_registry_alone(monkeypatch):
+    """Adding an optimizer needs no edit of fitune/runtime/optim.py: an entry naming a class optim.py never mentions
+    (torch.optim.RMSprop) is built from its dotted name with its fixed arguments, foreach passed when it takes it."""
+    torch = pytest.importorskip("torch")
+    from fitune.runtime.optim import build_optimizer
+
+    fake = dataclasses.replace(optimizer_specs.get("adamw"), name="fakeprop", aliases=(), build="torch.optim.RMSprop",
+                               build_kwargs=(("alpha", 0.5),), hf_optim="rmsprop", script_classes=("RMSprop",))
+    monkeypatch.setattr(optimizer_specs, "REGISTRY", REGISTRY + (fake,))
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = build_optimizer("fakeprop", [p], lr=0.1, weight_decay=0.2, foreach=False)
+    assert type(opt) is torch.optim.RMSprop
+    assert opt.defaults["alpha"] == 0.5 and opt.defaults["weight_decay"] == 0.2 and opt.defaults["foreach"] is False
+    monkeypatch.setattr(optimizer_specs, "REGISTRY", REGISTRY + (dataclasses.replace(fake, takes_foreach=False),))
+    assert build_optimizer("fakeprop", [p], lr=0.1, foreach=True).defaults["foreach"] is None  # not passed
+
+
+def test_a_missing_package_is_named_with_the_way_out(monkeypatch):
+    """An 8-bit optimizer without bitsandbytes: the package, the pip line, the CUDA need and the optimizer to use
+    instead, from the entry's `packages` and `cuda` (runtime/needs.py's wording)."""
+    from fitune.runtime.optim import build_optimizer, optimizer_class
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes fails, as where it is missing
+    for name in ("adamw8bit", "paged_adamw8bit"):
+        with pytest.raises(FituneError) as err:
+            build_optimizer(name, [], lr=0.1)
+        assert str(err.value) == (
+            f"this package is not installed: bitsandbytes (for optimizer: {name}); install it with: pip install "
+            "bitsandbytes (on a machine with a CUDA GPU: bitsandbytes' 8-bit optimizer kernels), or use optimizer: "
+            "adamw"), str(err.value)
+    nothing = dataclasses.replace(optimizer_specs.get("adamw"), build="fitune_no_such_module.Opt")
+    with pytest.raises(ImportError):  # an entry with no extra package: a broken install, raised as it is
+        optimizer_class(nothing)
 
 
 def _name_tuples(tree: ast.AST):

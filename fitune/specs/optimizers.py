@@ -2,9 +2,9 @@
 
 Adding an optimizer is one entry in `REGISTRY` plus its measurements: the setup's choices and aliases, the memory
 model's state and step temporaries, the speed model's bytes per step, the planner's preference, the emitted
-Hugging Face name, the runtime's class and needs, the doctor's labels and the trace engine's note all read it
-(tests/test_optimizer_registry.py proves each entry complete). Pure Python: the classes are dotted names that
-`fitune.runtime.optim.build_optimizer` imports when called.
+Hugging Face name, the runtime's class and needs, the doctor's labels, the trace engine's note and `--resume`'s
+policy (`state_format`) all read it (tests/test_optimizer_registry.py proves each entry complete). Pure Python: the
+classes are dotted names that `fitune.runtime.optim.build_optimizer` imports when called.
 """
 
 from __future__ import annotations
@@ -147,8 +147,17 @@ class OptimizerSpec:
     """Class names a training script constructs it by (torch.optim / bitsandbytes / transformers), for the doctor."""
     trace_note: str | None
     """The trace engine's note on how it runs it; None when the trace engine cannot (CUDA kernels)."""
-    resume: str = "refused"
-    """A resumed run that changes to or from it: "refused" (the state's tensors differ; train/checkpoint.py)."""
+    state_format: str
+    """What its saved state is (`optimizer.state_dict()`: the keys, dtypes and shapes of each parameter's state and
+    the param groups' hyperparameters). Optimizers of the same state format load each other's saved state, so
+    `--resume` applies a change between them and refuses any other (train/checkpoint.py `check_config_changes`).
+    Two entries share one only when the library's source shows the same state: bitsandbytes' AdamW8bit and
+    PagedAdamW8bit are both `Optimizer2State("adam", ..., optim_bits=8)`, differing only in `is_paged`, which
+    decides where `init_state` allocates state1 / state2 (bitsandbytes/optim/adamw.py, optimizer.py
+    `get_state_buffer`; `load_state_dict` is Optimizer8bit's for both). torch's AdamW (exp_avg, exp_avg_sq, step)
+    and bitsandbytes' (state1, state2, qmap1, qmap2, absmax1, absmax2, step) are not: torch's `load_state_dict`
+    takes the other's keys without complaint, and the next step fails (a KeyError) or ignores them. An alias is
+    the same optimizer, never a change."""
     doc: str = field(default="", compare=False)
     """One line for --help."""
 
@@ -158,6 +167,8 @@ class OptimizerSpec:
 
 
 _BNB_CUDA = "bitsandbytes' 8-bit optimizer kernels"
+BNB_ADAM_8BIT_STATE = "bitsandbytes 8-bit Adam"
+"""The state of bitsandbytes' AdamW8bit and PagedAdamW8bit: the same class underneath (see `state_format`)."""
 
 REGISTRY: tuple[OptimizerSpec, ...] = (
     OptimizerSpec(
@@ -166,20 +177,21 @@ REGISTRY: tuple[OptimizerSpec, ...] = (
         step_state_bytes_per_param=16, build="torch.optim.AdamW", build_kwargs=(), takes_foreach=True, packages=(),
         cuda=None, hf_optim="adamw_torch", label="AdamW (fp32 states)", script_classes=("AdamW", "Adam"),
         trace_note="AdamW runs with foreach=True (the CUDA default); the 'step' state is counted in optimizer state",
-        doc="adamw (fp32 states)"),
+        state_format="torch AdamW", doc="adamw (fp32 states)"),
     OptimizerSpec(
         "adamw8bit", ("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw8bit"), "adam", 8, bnb_8bit_state_tensor_bytes,
         factored=False, in_allocator=True, step_layout="in_place", step_transient_bytes=in_place_step_transient_bytes,
         step_state_bytes_per_param=4, build="bitsandbytes.optim.AdamW8bit", build_kwargs=(), takes_foreach=False,
         packages=("bitsandbytes",), cuda=_BNB_CUDA, hf_optim="adamw_bnb_8bit", label="8-bit AdamW states",
-        script_classes=("AdamW8bit", "Adam8bit"), trace_note=None, doc="adamw8bit"),
+        script_classes=("AdamW8bit", "Adam8bit"), trace_note=None, state_format=BNB_ADAM_8BIT_STATE,
+        doc="adamw8bit"),
     OptimizerSpec(
         "paged_adamw8bit", ("paged_adamw_8bit", "pagedadamw8bit"), "adam", 8, bnb_8bit_state_tensor_bytes,
         factored=False, in_allocator=False, step_layout="in_place", step_transient_bytes=in_place_step_transient_bytes,
         step_state_bytes_per_param=4, build="bitsandbytes.optim.PagedAdamW8bit", build_kwargs=(),
         takes_foreach=False, packages=("bitsandbytes",), cuda=_BNB_CUDA, hf_optim="paged_adamw_8bit",
         label="paged 8-bit AdamW states (managed memory)", script_classes=("PagedAdamW8bit", "PagedAdam8bit"),
-        trace_note=None, doc="paged_adamw8bit (bitsandbytes)"),
+        trace_note=None, state_format=BNB_ADAM_8BIT_STATE, doc="paged_adamw8bit (bitsandbytes)"),
     OptimizerSpec(
         "adafactor", (), "adafactor", 32, adafactor_state_tensor_bytes, factored=True, in_allocator=True,
         step_layout="per_tensor", step_transient_bytes=per_tensor_step_transient_bytes, step_state_bytes_per_param=4,
@@ -189,13 +201,14 @@ REGISTRY: tuple[OptimizerSpec, ...] = (
         script_classes=("Adafactor",),
         trace_note="Adafactor as transformers.optimization.Adafactor(relative_step=False, scale_parameter=False): "
                    "a factored fp32 second moment, no first moment",
-        doc="adafactor"),
+        state_format="transformers Adafactor", doc="adafactor"),
     OptimizerSpec(
         "sgd", (), "sgd", 0, no_state_tensor_bytes, factored=False, in_allocator=True, step_layout="in_place",
         step_transient_bytes=in_place_step_transient_bytes, step_state_bytes_per_param=0, build="torch.optim.SGD",
         build_kwargs=(), takes_foreach=True, packages=(), cuda=None, hf_optim="sgd",
         label="SGD without momentum (no state; changes the update)", script_classes=("SGD",),
-        trace_note="SGD (momentum 0: no state) runs with foreach=True (the CUDA default)", doc="sgd"),
+        trace_note="SGD (momentum 0: no state) runs with foreach=True (the CUDA default)",
+        state_format="torch SGD", doc="sgd"),
 )
 """Every optimizer, in the planner's order of preference: the Adam family first (the same update; 8-bit states
 quantise it), then those that change the training."""
@@ -209,6 +222,14 @@ def names() -> tuple[str, ...]:
 def aliases() -> dict[str, str]:
     """{alias: fitune name} over every entry."""
     return {a: s.name for s in REGISTRY for a in s.aliases}
+
+
+def canonical_name(name: str) -> str | None:
+    """fitune's name for `name`: itself, or the entry an alias (`adamw_bnb_8bit`) reads as; None for a name no
+    entry knows."""
+    if name in names():
+        return name
+    return aliases().get(name)
 
 
 def get(name: str) -> OptimizerSpec:

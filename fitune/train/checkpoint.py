@@ -16,7 +16,8 @@ everything else from JSON, and files a checkpoint should not have (an `optimizer
 the folder are fsync-ed before the rename, which is atomic on one filesystem: a folder without `.tmp` is complete,
 and the previous complete checkpoint is never touched before the new one is in place.
 
-Which config changes `--resume` applies and which it refuses: `RESUME_APPLIES`, `check_config_changes`.
+Which config changes `--resume` applies and which it refuses: `RESUME_APPLIES`, `check_config_changes` (an
+`optimizer` change: the registry's `state_format`, fitune/specs/optimizers.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import stat
 
 from ..errors import ConfigError, FituneError
 from ..parallel.checkpoint import is_sharded, load_sharded
+from ..specs import optimizers as optimizer_specs
 from ..units import GiB
 from .outdir import METRICS_FILE, RunFolder, fsync_dir, fsync_tree, write_failed_message
 
@@ -409,7 +411,9 @@ RESUME_APPLIES = frozenset({
 """Config keys a resumed run takes from the new config (and says so). Every other key (model, method, lora.*,
 dtype, data.path, data.format, batch_size, grad_accum, seq_len, schedule, warmup_steps, seed, optimizer, packing,
 init, tokenizer, ...) shapes the trained state or the data order, so a change is refused by name; a key fitune
-does not know yet is refused too."""
+does not know yet is refused too. One exception, decided by the optimizer registry: `optimizer` changed to one that
+keeps the same state (`OptimizerSpec.state_format`: adamw8bit <-> paged_adamw8bit) is applied
+(`optimizer_change`)."""
 
 
 def flat_config(config: dict) -> dict:
@@ -428,16 +432,39 @@ def check_config_changes(saved: dict, now: dict) -> list[str]:
         before, after = saved.get(key), now.get(key)
         if before == after:
             continue
-        if key in RESUME_APPLIES:
-            applied.append(f"--resume: {key} changed from {_show(before)} to {_show(after)} since the checkpoint; "
-                           "applied")
+        changed = f"--resume: {key} changed from {_show(before)} to {_show(after)} since the checkpoint; "
+        verdict, why = optimizer_change(before, after) if key == "optimizer" else ("", "")
+        if verdict == "same":  # two names of one optimizer (an alias): no change
+            continue
+        if verdict == "applied":
+            applied.append(f"{changed}applied: both keep the same optimizer state ({why})")
+        elif key in RESUME_APPLIES:
+            applied.append(f"{changed}applied")
         else:
-            refused.append(f"--resume: {key} changed from {_show(before)} to {_show(after)} since the checkpoint; a "
-                           f"resumed run keeps the saved value: start a new run with --overwrite, or restore "
-                           f"{key}: {_show(before)}")
+            refused.append(f"{changed}{why + '; ' if why else ''}a resumed run keeps the saved value: start a new run "
+                           f"with --overwrite, or restore {key}: {_show(before)}")
     if refused:
         raise ConfigError(refused)
     return applied
+
+
+def optimizer_change(before, after) -> tuple[str, str]:
+    """`--resume`'s verdict on `optimizer` changed from `before` (the checkpoint's) to `after`, read from the registry
+    (fitune/specs/optimizers.py `state_format`): ("same", "") for two names of one optimizer (an alias: no change),
+    ("applied", the state format) for two optimizers that load each other's saved state, ("refused", why) for any
+    other pair, a name the registry does not know included."""
+    names = [optimizer_specs.canonical_name(v) if isinstance(v, str) else None for v in (before, after)]
+    unknown = [_show(v) for v, n in zip((before, after), names) if n is None]
+    if unknown:
+        are = "is" if len(unknown) == 1 else "are"
+        return "refused", f"{' and '.join(unknown)} {are} not an optimizer fitune knows"
+    if names[0] == names[1]:
+        return "same", ""
+    was, now = (optimizer_specs.get(n) for n in names)
+    if was.state_format == now.state_format:
+        return "applied", was.state_format
+    return "refused", (f"the saved optimizer state is {was.name}'s ({was.state_format}), which {now.name} "
+                       f"({now.state_format}) cannot load")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
