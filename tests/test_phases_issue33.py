@@ -151,6 +151,75 @@ def test_eval_step_agrees_with_the_trace_engines_tracker():
     assert modelled == pytest.approx(measured, rel=0.02)
 
 
+def test_eval_keeps_the_training_batch_and_loss_when_they_fit(llama):
+    s = TrainSetup()  # 2 x 2048, hf loss: the eval step is below the training step (by_hand above)
+    est = estimate(llama, s)
+    chosen, phase = ph.eval_choice(llama, s, est, est.peak_reserved_bytes)
+    assert (chosen.batch_size, chosen.loss) == (2, "hf")
+    assert phase.gpu_allocated_bytes == ph.eval_step_phase(llama, s, est).gpu_allocated_bytes
+
+
+def test_eval_that_would_not_fit_takes_the_chunked_loss_then_fewer_rows(llama):
+    """A budget between the candidates' peaks picks the first that fits: the training rows with the chunked loss
+    (the same loss, one chunk of logits at a time), then one row fewer; nothing fits: None."""
+    s = TrainSetup(stack="fitune", batch_size=4, seq_len_tokens=4096)
+    est = estimate(llama, s)
+    frag = est.peak_reserved_bytes - est.peak_allocated_bytes
+
+    def need(rows, loss):
+        return ph.eval_step_phase(llama, s.replace(batch_size=rows, loss=loss), est).gpu_allocated_bytes + frag
+
+    assert need(4, "chunked") < need(4, "hf") and need(3, "hf") < need(4, "hf")
+    chosen, _ = ph.eval_choice(llama, s, est, need(4, "hf") - 1)
+    assert (chosen.batch_size, chosen.loss) == (4, "chunked")
+    below_chunked = min(need(4, "chunked"), need(3, "hf")) - 1
+    chosen, phase = ph.eval_choice(llama, s, est, below_chunked)
+    assert chosen.batch_size < 4 and phase.gpu_allocated_bytes + frag <= below_chunked
+    assert ph.eval_choice(llama, s, est, need(1, "chunked") - 1) is None
+    # the run phases with the budget show the eval step that will run, without it the training micro-batch's
+    budget = need(4, "hf") - 1
+    peaks = {p.name: p for p in ph.phase_peaks(s, llama, est, gpu_budget_bytes=budget)}
+    assert peaks["eval_step"].gpu_allocated_bytes == need(4, "chunked") - frag
+    assert "chunked loss" in peaks["eval_step"].note
+
+
+def test_train_says_when_evaluation_runs_fewer_rows_or_the_chunked_loss(tmp_path, llama):
+    s = TrainSetup(stack="fitune", batch_size=4, seq_len_tokens=4096)
+    cfg = TrainConfig(model="llama-3.1-8b", setup=s, data=DataConfig(path="train.jsonl", eval_path="eval.jsonl"))
+    est = estimate(llama, s)
+    frag = est.peak_reserved_bytes - est.peak_allocated_bytes
+    hf = ph.eval_step_phase(llama, s, est).gpu_allocated_bytes + frag
+    rows, loss, line = needs.eval_setting(cfg, hf - 1)
+    assert (rows, loss) == (4, "chunked")
+    assert "evaluation runs 4 row(s) per forward with the chunked loss" in line and "the eval loss is the same" in line
+    assert needs.eval_setting(cfg, hf) == (4, "hf", None)
+    assert needs.eval_setting(cfg, None) == (4, "hf", None)  # no GPU: the training micro-batch and loss
+
+
+def test_evaluation_with_fewer_rows_and_the_chunked_loss_gives_the_same_eval_loss(tmp_path):
+    """What `fitune train` changes to make evaluation fit leaves the eval loss as it was (a tiny Llama on the CPU)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from fitune.data import Example
+    from fitune.runtime.model import build_random_model, prepare_model
+    from fitune.train.loop import _evaluate
+
+    cfg_hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 500, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "rope_theta": 10000.0}
+    s = TrainSetup(stack="fitune", batch_size=4, seq_len_tokens=32, dtype="fp32")
+    torch.manual_seed(0)
+    model = prepare_model(build_random_model(cfg_hf, device="cpu", dtype_name="fp32"), s)
+    g = torch.Generator().manual_seed(1)
+    rows = [tuple(torch.randint(1, 500, (n,), generator=g).tolist()) for n in (32, 20, 31, 7, 25)]
+    items = [Example(ids, (-100,) + ids[1:]) for ids in rows]
+    cfg = TrainConfig(model="tiny", setup=s, data=DataConfig(path="train.jsonl", eval_path="eval.jsonl"))
+    reference = _evaluate(model, items, 0, cfg, "cpu")
+    assert _evaluate(model, items, 0, cfg, "cpu", rows=1, loss_name="chunked") == pytest.approx(reference, rel=1e-5)
+    assert _evaluate(model, items, 0, cfg, "cpu", rows=3, loss_name="hf") == pytest.approx(reference, rel=1e-5)
+
+
 # ---- save, merge, export ----------------------------------------------------------------------------------------
 
 
@@ -297,9 +366,11 @@ def test_train_warns_before_the_run_about_a_phase_over_the_card(llama):
     cfg = TrainConfig(model="llama-3.1-8b", data=DataConfig(path="train.jsonl", eval_path="eval.jsonl"), merge=True)
     _, _, peaks = needs.run_phases_for(cfg, True)
     eval_bytes = next(p.gpu_allocated_bytes for p in peaks if p.name == "eval_step")
-    lines = needs.phase_warnings(cfg, gpu_budget_bytes=eval_bytes - 1)
+    lines = needs.phase_warnings(cfg, gpu_budget_bytes=GiB)  # not even one row with the chunked loss fits
     assert any(line.startswith(f"the eval_step phase needs {eval_bytes / GiB:.2f} GiB of GPU memory > ")
-               and "use a smaller batch_size or loss: chunked" in line for line in lines)
+               and "even one row per forward with the chunked loss does not fit" in line for line in lines)
+    # just under the training micro-batch's eval peak: fitune evaluates with the chunked loss instead, no warning
+    assert not [x for x in needs.phase_warnings(cfg, gpu_budget_bytes=eval_bytes - 1) if "eval_step" in x]
     assert any(line.startswith("merge: true writes the merged model") for line in lines)
     assert not [x for x in needs.phase_warnings(cfg, gpu_budget_bytes=None) if "phase needs" in x]  # no GPU
     no_eval = dataclasses.replace(cfg, data=DataConfig(path="train.jsonl"))

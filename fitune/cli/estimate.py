@@ -135,7 +135,8 @@ def _run_phases(args, model, setup: TrainSetup, est) -> list:
     if args.eval_seq_len is not None and args.eval_seq_len < 1:
         raise ConfigError(f"--eval-seq-len {args.eval_seq_len}: give the longest eval row in tokens (1 or more)")
     source = args.source or source_of(args.model)
-    return phase_peaks(setup, model, est, source=source, eval_rows_tokens=args.eval_seq_len)
+    budget = est.gpu.allocator_budget_bytes if est.gpu is not None else None  # eval then fits it as train does
+    return phase_peaks(setup, model, est, source=source, eval_rows_tokens=args.eval_seq_len, gpu_budget_bytes=budget)
 
 
 def run_phases_to_json(peaks, gpu) -> dict:

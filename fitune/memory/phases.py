@@ -290,6 +290,26 @@ def eval_step_phase(m: ModelSpec, setup: TrainSetup, est, rows_tokens: int | Non
                      train_step_host_bytes(m, setup, est, host_pinned_bytes), note)
 
 
+def eval_choice(m: ModelSpec, setup: TrainSetup, est, budget_bytes: int, rows_tokens: int | None = None,
+                host_pinned_bytes: int | None = None) -> tuple[TrainSetup, PhasePeak] | None:
+    """How `fitune train` evaluates within `budget_bytes`, the GPU budget its training fits (fitune/train/loop.py
+    `_evaluate`): the setup whose `batch_size` is the rows per eval forward and whose `loss` is the eval loss, with
+    its phase. The first that fits of: the training micro-batch with the run's loss, the same rows with the chunked
+    loss (the same loss value; one chunk of logits at a time), then one row fewer each time. It fits when its
+    allocated peak plus the training step's fragmentation (reserved - allocated) is within the budget. None: not
+    even one row with the chunked loss fits (then the run's own is used, and `fitune train` warns before it
+    starts)."""
+    fragmentation = est.peak_reserved_bytes - est.peak_allocated_bytes
+    losses = (setup.loss,) if setup.loss == "chunked" else (setup.loss, "chunked")
+    for rows in range(setup.batch_size, 0, -1):
+        for loss in losses:
+            s = setup.replace(batch_size=rows, loss=loss)
+            phase = eval_step_phase(m, s, est, rows_tokens, host_pinned_bytes)
+            if phase.gpu_allocated_bytes + fragmentation <= budget_bytes:
+                return s, phase
+    return None
+
+
 # ---- save ----------------------------------------------------------------------------------------------------------
 
 
@@ -389,14 +409,20 @@ def export_phase(m: ModelSpec, setup: TrainSetup, qtype: str = "f16") -> PhasePe
 
 
 def phase_peaks(setup: TrainSetup, spec: ModelSpec, est, source: str = "folder", eval_rows_tokens: int | None = None,
-                host_pinned_bytes: int | None = None, device: str = "cuda") -> list[PhasePeak]:
+                host_pinned_bytes: int | None = None, device: str = "cuda",
+                gpu_budget_bytes: int | None = None) -> list[PhasePeak]:
     """The peak of every phase of a run of `setup` on `spec`, in the order they happen (merge only for LoRA /
     QLoRA). `est`: the training step's `MemoryEstimate` (estimate.py). `source`: one of SOURCES.
     `eval_rows_tokens`: the longest eval row (default: the training sequence length). `host_pinned_bytes`: the
-    pinned host memory of the step (default: `est.host_bytes`)."""
+    pinned host memory of the step (default: `est.host_bytes`). `gpu_budget_bytes`: the GPU's budget, where known:
+    the eval step is then the one `fitune train` chooses to fit it (`eval_choice`)."""
+    evaluation = eval_step_phase(spec, setup, est, eval_rows_tokens, host_pinned_bytes)
+    if gpu_budget_bytes is not None and device == "cuda":
+        chosen = eval_choice(spec, setup, est, gpu_budget_bytes, eval_rows_tokens, host_pinned_bytes)
+        evaluation = chosen[1] if chosen is not None else evaluation
     out = [load_phase(spec, setup, source, device),
            train_step_phase(spec, setup, est, host_pinned_bytes),
-           eval_step_phase(spec, setup, est, eval_rows_tokens, host_pinned_bytes),
+           evaluation,
            save_phase(spec, setup, est, host_pinned_bytes)]
     merge = merge_phase(spec, setup)
     if merge is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..errors import FituneError
 from ..memory import estimate, phases as phase_terms
 from ..memory.phases import (HOST_LOAD_BASELINE_BYTES, HOST_RUNTIME_BASELINE_BYTES, SAVE_PRETRAINED_SHARD_BYTES,
-                             dense_weight_bytes, phase_peaks, source_of)
+                             dense_weight_bytes, eval_choice, phase_peaks, source_of)
 from ..specs import optimizers as optimizer_specs
 from ..specs.gpu import cuda_context_bytes, resolve_gpu
 from ..specs.model import load_model_spec
@@ -162,16 +162,42 @@ HOST_SHORTFALL_RATIO = 1.1
 HOST_MODEL_SHARE_MIN_BYTES = 1 << 30
 
 
-def run_phases_for(cfg, on_cuda: bool):
-    """(ModelSpec, source, phase peaks) of the run `cfg` describes, or None when fitune cannot model its
-    architecture (then nothing is checked). Pure Python: the analytic estimator (no torch)."""
+def _spec_and_estimate(cfg, on_cuda: bool):
+    """(ModelSpec, MemoryEstimate) of the run's training step, or None when fitune cannot model its architecture."""
     try:
         spec = load_model_spec(cfg.model)
-        est = estimate(spec, cfg.setup, device="cuda" if on_cuda else "cpu")
+        return spec, estimate(spec, cfg.setup, device="cuda" if on_cuda else "cpu")
     except (FituneError, ValueError, KeyError, ZeroDivisionError, TypeError):
         return None  # an architecture or config the estimator cannot model: the runtime's own checks apply
+
+
+def run_phases_for(cfg, on_cuda: bool, gpu_budget_bytes: int | None = None):
+    """(ModelSpec, source, phase peaks) of the run `cfg` describes, or None when fitune cannot model its
+    architecture (then nothing is checked); with the GPU's budget, the eval step as `eval_setting` runs it. Pure
+    Python: the analytic estimator (no torch)."""
+    modelled = _spec_and_estimate(cfg, on_cuda)
+    if modelled is None:
+        return None
+    spec, est = modelled
     source = "random" if cfg.init == "random" else source_of(cfg.model)
-    return spec, source, phase_peaks(cfg.setup, spec, est, source=source, device="cuda" if on_cuda else "cpu")
+    return spec, source, phase_peaks(cfg.setup, spec, est, source=source, device="cuda" if on_cuda else "cpu",
+                                     gpu_budget_bytes=gpu_budget_bytes)
+
+
+def eval_setting(cfg, gpu_budget_bytes: int | None) -> tuple[int, str, str | None]:
+    """The eval step's rows per forward and loss within the GPU budget the training fits (fitune/memory/phases.py
+    `eval_choice`), and the line that says so when they differ from the training micro-batch and loss (None when
+    they do not). Without a budget (no GPU) or a model fitune cannot model: the training micro-batch and loss."""
+    s = cfg.setup
+    modelled = _spec_and_estimate(cfg, True) if gpu_budget_bytes is not None else None
+    chosen = eval_choice(modelled[0], s, modelled[1], gpu_budget_bytes) if modelled is not None else None
+    if chosen is None or (chosen[0].batch_size, chosen[0].loss) == (s.batch_size, s.loss):
+        return s.batch_size, s.loss, None
+    es, phase = chosen
+    return es.batch_size, es.loss, (
+        f"evaluation runs {es.batch_size} row(s) per forward with the {es.loss} loss ({gib(phase.gpu_allocated_bytes)} "
+        f"of GPU memory): {s.batch_size} row(s) with the {s.loss} loss would not fit the {gib(gpu_budget_bytes)} "
+        "budget the training fits; the eval loss is the same")
 
 
 def host_ram_problems(cfg, on_cuda: bool, mem_available_bytes: int | None = None, phases=None) -> list[str]:
@@ -214,7 +240,7 @@ def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
     """Phases of the run other than the training step whose GPU peak is over `gpu_budget_bytes` (the eval step
     when data.eval_path is set, saving), said before the run; and `merge: true`, whose merged model goes
     through host memory when it is written."""
-    phases = phases if phases is not None else run_phases_for(cfg, gpu_budget_bytes is not None)
+    phases = phases if phases is not None else run_phases_for(cfg, gpu_budget_bytes is not None, gpu_budget_bytes)
     if phases is None:
         return []
     spec, _, peaks = phases
@@ -224,7 +250,8 @@ def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
         if gpu_budget_bytes is not None and p.name in checked and p.gpu_allocated_bytes > gpu_budget_bytes:
             out.append(f"the {p.name} phase needs {gib(p.gpu_allocated_bytes)} of GPU memory > {gib(gpu_budget_bytes)} "
                        f"budget ({p.note}): the run may stop there; "
-                       + ("use a smaller batch_size or loss: chunked for evaluation" if p.name == "eval_step"
+                       + ("even one row per forward with the chunked loss does not fit: a shorter seq_len (eval rows "
+                          "are cut to it) or no data.eval_path" if p.name == "eval_step"
                           else "fewer trainable parameters"))
     if getattr(cfg, "merge", False) and cfg.setup.method in ("lora", "qlora"):
         merged = min(dense_weight_bytes(spec, "bf16" if cfg.setup.method == "qlora" else cfg.setup.dtype),
@@ -245,14 +272,22 @@ def gpu_budget_bytes() -> int | None:
     return int(props.total_memory) - cuda_context_bytes(f"{props.major}.{props.minor}")
 
 
+def run_budget_bytes(cfg, on_cuda: bool) -> int | None:
+    """The GPU budget the run trains in: the `cap:` card's allocator budget, else this GPU's (`gpu_budget_bytes`);
+    None without CUDA."""
+    if not on_cuda:
+        return None
+    if getattr(cfg, "cap", None):  # the run caps the allocator at a smaller card's budget
+        return resolve_gpu(str(cfg.cap), "cap").allocator_budget_bytes
+    return gpu_budget_bytes()
+
+
 def memory_problems(cfg, on_cuda: bool, warn=None) -> list[str]:
     """`fitune train`'s memory preflight, before anything loads: the problems that stop the run
     (`host_ram_problems`), after handing every `phase_warnings` line to `warn` (default: logging.warning)."""
-    phases = run_phases_for(cfg, on_cuda)
     warn = warn or logging.getLogger(__name__).warning
-    budget = gpu_budget_bytes() if on_cuda else None
-    if on_cuda and getattr(cfg, "cap", None):  # the run caps the allocator at a smaller card's budget
-        budget = resolve_gpu(str(cfg.cap), "cap").allocator_budget_bytes
+    budget = run_budget_bytes(cfg, on_cuda)
+    phases = run_phases_for(cfg, on_cuda, budget)
     for line in phase_warnings(cfg, budget, phases):
         warn(f"fitune train: {line}")
     return host_ram_problems(cfg, on_cuda, phases=phases)

@@ -42,6 +42,7 @@ from ..parallel.data import rank_micro_batches
 from ..parallel.deepspeed_engine import release
 from ..parallel.ranks import mean
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
+from ..runtime import needs  # needs.eval_setting, needs.run_budget_bytes
 from ..runtime.device import configure_allocator, limit_allocator, pick_device, release_memory
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
@@ -165,6 +166,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
     scaler = torch.amp.GradScaler("cuda") if s.dtype == "fp16" and device == "cuda" else None
     plan = Plan(micro_batch_size=s.batch_size, grad_checkpointing=s.grad_checkpointing != "none")
     step = _resume(cfg, resume_from, model, optimizer, scheduler, stream, plan) if resume_from else 0
+    eval_rows, eval_loss = _eval_setting(cfg, device, par.is_main) if eval_items is not None else (None, None)
     report = _Report(cfg, folder, step, total_steps, progress and par.is_main, device, par.is_main)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
@@ -187,7 +189,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             losses.append(loss)
             report.step(step, _step_line(step, loss, scheduler, batches, step_time_s, plan, device, scaler))
             if eval_items is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                eval_losses[step] = _evaluate(engine.step_model, eval_items, data_mod.pad_id(tokenizer), cfg, device)
+                eval_losses[step] = _evaluate(engine.step_model, eval_items, data_mod.pad_id(tokenizer), cfg, device,
+                                              eval_rows, eval_loss)
                 report.eval_loss(step, eval_losses[step])
             if _checkpoint_due(cfg, step, total_steps, time.monotonic() - last_save_s):
                 _save(cfg, folder, step, model, optimizer, scheduler, stream, plan, stop)
@@ -452,22 +455,34 @@ def _scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
 
 
-def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str) -> float:
-    """Mean token loss over the eval set (no gradients, so no saved activations)."""
+def _eval_setting(cfg: TrainConfig, device: str, say: bool) -> tuple[int, str]:
+    """Rows per eval forward and the eval loss, chosen to fit the GPU budget the training fits
+    (fitune/runtime/needs.py `eval_setting`); said on stderr when they differ from the training step's."""
+    rows, loss, line = needs.eval_setting(cfg, needs.run_budget_bytes(cfg, device == "cuda"))
+    if line and say:
+        print(f"fitune: {line}", file=sys.stderr)
+    return rows, loss
+
+
+def _evaluate(model, items, pad_token_id: int, cfg: TrainConfig, device: str, rows: int | None = None,
+              loss_name: str | None = None) -> float:
+    """Mean token loss over the eval set (no gradients, so no saved activations), `rows` rows per forward with the
+    loss `loss_name` (`_eval_setting`; default: the training micro-batch and loss)."""
     import torch
 
     from ..parallel.wrap import step_loss
     from ..runtime.step import forward_loss
 
-    stream = data_mod.BatchStream(items, cfg.setup.batch_size, cfg.seed, pad_token_id, packed=cfg.packing, shuffle=False)
-    n_batches = math.ceil(len(items) / cfg.setup.batch_size)
+    rows = rows or cfg.setup.batch_size
+    stream = data_mod.BatchStream(items, rows, cfg.seed, pad_token_id, packed=cfg.packing, shuffle=False)
+    n_batches = math.ceil(len(items) / rows)
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
         for _ in range(n_batches):
             b = stream.next_batch()
-            loss = forward_loss(model, b, loss=step_loss(model, cfg.setup.loss), num_items=1)  # summed token loss
+            loss = forward_loss(model, b, loss=step_loss(model, loss_name or cfg.setup.loss), num_items=1)  # summed
             total += loss.item()
             tokens += b.trained_tokens
     if was_training:
