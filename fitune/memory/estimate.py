@@ -138,8 +138,6 @@ def estimate(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec | None = None, de
     breakdown = {k: phases[peak_phase].by_category.get(k, 0) for k in categories}
     breakdown[ALLOCATOR_OVERHEAD] = reserved - peak_alloc
     host_bytes = step.host_bytes
-    if host_bytes:
-        notes.extend(_pinned_host_notes(host_bytes, step.k_ckpt))
     if setup.stack == "fitune":
         notes.append("--stack fitune models fitune train: no KV cache, and its chunked loss and offloaded or selective "
                      "checkpointing when chosen")
@@ -434,17 +432,6 @@ def _reserved_peak(model: ModelSpec, setup: TrainSetup, res: _Resident, step: _S
                                   expandable=setup.expandable_segments, first_step_state=lazy_state,
                                   setup_events=setup_events, first_step_state_at=state_at)
     return reserved
-
-
-def _pinned_host_notes(host_bytes: int, k_ckpt: int) -> list[str]:
-    """Offloaded checkpoints: older PyTorch rounds each layer's pinned block up to a power of two (measured on 2.11)."""
-    per_layer = host_bytes // max(1, k_ckpt)
-    rounded = k_ckpt * (1 << (per_layer - 1).bit_length())
-    if rounded <= host_bytes:
-        return []
-    return [f"pinned host memory: {host_bytes / GiB:.2f} GiB with PyTorch 2.13+ (fitune train asks for "
-            f"exact-size pinned blocks); older PyTorch rounds each layer's block up to a power of two: "
-            f"{rounded / GiB:.2f} GiB (measured on 2.11)"]
 
 
 def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: list[str]) -> GpuSpec | None:

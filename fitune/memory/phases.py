@@ -201,10 +201,10 @@ def load_phase(m: ModelSpec, setup: TrainSetup, source: str, device: str = "cuda
 
 def train_step_host_bytes(m: ModelSpec, setup: TrainSetup, est, host_pinned_bytes: int | None = None) -> int:
     """Host memory during the training step: the baseline, the pinned buffers of offloaded checkpoints and ZeRO
-    offload (`MemoryEstimate.host_bytes`; fitune/runtime/techniques/offload.py `torch.empty(..., pin_memory=True)`,
-    which PyTorch's host allocator keeps cached between steps, so they stay held for the rest of the run) and an
+    offload (`MemoryEstimate.host_bytes`; fitune/runtime/techniques/offload.py `PinnedPool`: exact-size page-locked
+    buffers kept from step to step, so they stay held for the rest of the run) and an
     offloaded embedding table (fitune/runtime/techniques/offload_embeddings.py). `host_pinned_bytes` overrides the
-    pinned figure (e.g. PyTorch < 2.13's power-of-two rounding, see the estimate's notes)."""
+    pinned figure."""
     pinned = est.host_bytes if host_pinned_bytes is None else host_pinned_bytes
     return HOST_RUNTIME_BASELINE_BYTES + pinned + weights.offloaded_embedding_bytes(m, setup)
 

@@ -120,9 +120,6 @@ class PlanRequest:
     host_ram_bytes: int | None = None
     """Host memory, bytes: plans whose host peak (loading, the pinned buffers of offloaded checkpoints, the outputs
     written at the end: fitune/memory/phases.py) is over it are left out. None: not checked."""
-    pinned_power_of_two: bool = False
-    """The training machine's PyTorch rounds each pinned block up to a power of two (older than 2.13): offloaded
-    checkpoints' host memory is planned rounded (fitune/plan/policy.py `pinned_rounding`)."""
     host_ram_origin: str = "--host-ram"
     """Where `host_ram_bytes` came from, as the rejections quote it: "--host-ram", "host RAM (this machine's)" or
     "host RAM (assumed; --host-ram to change)"."""
@@ -597,13 +594,10 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
 
 
 def _offload_host_bytes(req: PlanRequest, micro: int, seq_len_tokens: int | None = None) -> int:
-    """Pinned host memory of offloaded checkpoints: every layer's input, hidden x 2 bytes per token; each layer's
-    block rounded up to a power of two with `req.pinned_power_of_two`."""
+    """Page-locked host memory of offloaded checkpoints: every layer's input, hidden x 2 bytes per token, in
+    exact-size buffers (fitune/runtime/techniques/offload.py `PinnedPool`)."""
     seq = seq_len_tokens or req.seq_len_tokens
-    per_layer = micro * seq * req.model.hidden_size * 2
-    if req.pinned_power_of_two:
-        per_layer = 1 << (per_layer - 1).bit_length()
-    return per_layer * req.model.num_layers
+    return micro * seq * req.model.hidden_size * 2 * req.model.num_layers
 
 
 def _offload_over_host(req: PlanRequest, micro: int, seq_len_tokens: int | None = None) -> bool:
