@@ -234,3 +234,39 @@ def test_throughput_refuses_an_unknown_optimizer():
     bogus = dataclasses.replace(TrainSetup(), optimizer="lion")  # past validation, as a hand-made setup could be
     with pytest.raises(ConfigError, match="'lion' is not one of"):
         optimizer_step_bytes(load_model_spec("llama-3.2-1b"), bogus)
+
+
+def test_a_resumed_paged_optimizer_pages_its_loaded_state_again():
+    """bitsandbytes' load_state_dict leaves a paged optimizer's state1 / state2 as ordinary GPU tensors; after
+    fitune's checkpoint.load they are back in paged buffers (large parameters only, as bitsandbytes pages them),
+    values kept. Modelled on the CPU: parameters that say they are on CUDA, a stand-in for get_paged."""
+    import types
+
+    import torch
+
+    from fitune.runtime.optim import BNB_PAGED_MIN_NUMEL, page_loaded_state
+
+    class Param:
+        def __init__(self, n):
+            self.n, self.device = n, types.SimpleNamespace(type="cuda", index=0)
+
+        def numel(self):
+            return self.n
+
+    def get_paged(*shape, dtype, device):
+        out = torch.zeros(shape, dtype=dtype)
+        out.is_paged = True
+        return out
+
+    big, small = Param(BNB_PAGED_MIN_NUMEL), Param(BNB_PAGED_MIN_NUMEL - 1)
+    states = {p: {"state1": torch.full((4,), 3, dtype=torch.uint8), "state2": torch.full((4,), 5, dtype=torch.uint8),
+                  "absmax1": torch.ones(1)} for p in (big, small)}
+    opt = types.SimpleNamespace(is_paged=True, param_groups=[{"params": [big, small]}], state=states,
+                                page_mng=types.SimpleNamespace(paged_tensors=[]))
+    assert page_loaded_state(opt, get_paged) == 2
+    assert all(getattr(states[big][k], "is_paged", False) for k in ("state1", "state2"))
+    assert states[big]["state1"].tolist() == [3] * 4 and states[big]["state2"].tolist() == [5] * 4
+    assert not hasattr(states[small]["state1"], "is_paged")  # under the size bitsandbytes pages from
+    assert len(opt.page_mng.paged_tensors) == 2
+    assert page_loaded_state(opt, get_paged) == 0  # already paged: nothing moves again
+    assert page_loaded_state(types.SimpleNamespace(is_paged=False), get_paged) == 0  # not a paged optimizer

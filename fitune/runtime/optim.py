@@ -54,3 +54,40 @@ def optimizer_class(spec: optimizer_specs.OptimizerSpec):
         need = optimizer_need(spec.name)
         raise FituneError(f"{packages_problem([need], list(spec.packages))} (on a machine with a CUDA GPU: "
                           f"{need.cuda}), or use {need.instead}") from exc
+
+
+#: bitsandbytes pages a state tensor only from this many elements (bitsandbytes/optim/optimizer.py
+#: `get_state_buffer`: `p.numel() < 1e5` keeps an ordinary tensor).
+BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def page_loaded_state(optimizer, get_paged=None) -> int:
+    """Put a paged bitsandbytes optimizer's loaded state back in paged (CUDA managed) memory; returns how many
+    tensors moved.
+
+    bitsandbytes pages a state tensor only when it creates it (`init_state` -> `get_state_buffer`: `F.get_paged`
+    for parameters of `BNB_PAGED_MIN_NUMEL` elements or more); `load_state_dict` moves the saved `state1` / `state2`
+    onto the parameter's GPU as ordinary tensors (bitsandbytes 0.50.2 optim/optimizer.py `load_state_dict`,
+    `cast`: `v.to(param.device)`). A resumed `paged_adamw8bit` run would then hold its whole 8-bit state in the
+    allocator, which the estimate (and the run before the resume) kept outside it. `get_paged`: bitsandbytes'
+    `functional.get_paged` (a stand-in in tests)."""
+    if not getattr(optimizer, "is_paged", False):
+        return 0
+    if get_paged is None:
+        from bitsandbytes.functional import get_paged
+    moved = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p) or {}
+            if p.device.type != "cuda" or p.numel() < BNB_PAGED_MIN_NUMEL:
+                continue
+            for key in ("state1", "state2"):
+                tensor = state.get(key)
+                if tensor is None or getattr(tensor, "is_paged", False):
+                    continue
+                paged = get_paged(*tensor.shape, dtype=tensor.dtype, device=p.device)
+                paged.copy_(tensor)
+                optimizer.page_mng.paged_tensors.append(paged)
+                state[key] = paged
+                moved += 1
+    return moved

@@ -32,6 +32,7 @@ import stat
 
 from ..errors import ConfigError, FituneError
 from ..parallel.checkpoint import is_sharded, load_sharded
+from ..runtime import optim
 from ..specs import optimizers as optimizer_specs
 from ..units import GiB
 from .outdir import METRICS_FILE, RunFolder, fsync_dir, fsync_tree, write_failed_message
@@ -388,6 +389,7 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {path}: the optimizer / schedule state does not fit this run ({exc}); "
                               "resume with the config the run started with") from None
+    optim.page_loaded_state(optimizer)  # a paged optimizer's state goes back outside the allocator, as before
     _set_rng_state(_read_tree(path, "rng"), path)
     return state
 
