@@ -207,8 +207,8 @@ def today_context_note(root: str) -> str:
             f"({r['peak_allocated_bytes'] / gib:.2f} GiB allocated, estimated {r['est_peak_allocated_bytes'] / gib:.2f}; "
             f"no allocator retry) and peaked at {r['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM: "
             f"{r['host_pinned_peak_bytes'] / gib:.1f} GiB of pinned blocks rounded by PyTorch 2.11, against "
-            f"{r['est_host_peak_bytes'] / gib:.1f} GiB estimated with 2.13's exact-size blocks (not measured): where "
-            "the machine's PyTorch is older than 2.13, `fitune plan` counts the rounded blocks and plans shorter.")
+            f"{r['est_host_peak_bytes'] / gib:.1f} GiB estimated for exact-size blocks. Since then offloaded "
+            "checkpoints wait in exact-size page-locked buffers on every PyTorch (not yet measured on the GPU).")
 
 
 def render_accuracy(root: str) -> str:
