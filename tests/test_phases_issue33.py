@@ -248,7 +248,8 @@ def test_merge_lora_on_the_cpu_and_qlora_on_the_gpu(llama):
 def test_export_works_one_tensor_at_a_time(llama):
     _, p = _peaks(llama, TrainSetup())
     assert p["export"].host_bytes == CPU_BASE + 8 * EMBED and p["export"].gpu_allocated_bytes == 0
-    assert ph.export_phase(llama, TrainSetup(), "q8_0").host_bytes == CPU_BASE + 16 * EMBED
+    # q8_0: the same fp32 tensor and its abs; gguf-py quantizes 16 rows at a time (measured: bench/export_host.py)
+    assert ph.export_phase(llama, TrainSetup(), "q8_0").host_bytes == CPU_BASE + 8 * EMBED
 
 
 def test_the_worst_phase_is_named(llama):
