@@ -113,3 +113,21 @@ def test_the_recorded_longest_contexts_are_what_fitune_plan_says_today():
     args = SimpleNamespace(model="llama-3.1-8b", cap="rtx4090", method="qlora", lora_rank=32, resolution=1024,
                            limit=262144, fitune_host_ram="32GiB", fitune_optimizer="any", fitune_retries=False)
     assert probe.plan_longest(args) == got[("qlora", "32GiB")]
+
+
+def test_the_export_phase_recomputed_against_its_cpu_record():
+    """`fitune export` of an 8B-shaped folder (2 layers: 8B's largest tensors, so 8B's peak) measured in a fresh
+    process on the CPU (bench/results/issue33/export, bench/export_host.py): the host peak without the mapped
+    weight files against today's `export_phase` of the same model, within the 10 % goal, f16 and q8_0."""
+    from fitune.memory.phases import export_phase
+    from fitune.specs.model import model_spec_from_hf_config
+
+    path = os.path.join(ROOT, "bench", "results", "issue33", "export", "export_host.jsonl")
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert sorted(r["qtype"] for r in records) == ["f16", "q8_0"]
+    spec = model_spec_from_hf_config({**load_model_spec("llama-3.1-8b").hf_config, "num_hidden_layers": 2}, "2 layers")
+    for r in records:
+        assert r["exit"] == 0 and r["provenance"]["commit"]
+        est = export_phase(spec, TrainSetup(), r["qtype"]).host_bytes
+        assert abs(r["host_no_weight_files_peak_bytes"] / est - 1) <= 0.10, (r["qtype"], r["host_over_est"])
