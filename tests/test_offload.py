@@ -93,3 +93,23 @@ def test_pinned_pool_lends_exact_size_buffers_and_reuses_them_across_steps():
     assert again is buffer and small.numel() == 15 and locked == [30] * 4 + [60]
     pool.close()
     assert unlocked == [30] * 4 + [60] and pool.registered_bytes == 0
+
+
+def test_pinned_pool_falls_back_to_pytorchs_pinned_blocks_where_page_locking_fails(caplog):
+    import torch
+
+    from fitune.runtime.techniques.offload import PinnedPool
+
+    def refuse(buffer):
+        raise RuntimeError("cudaHostRegister of 30 host bytes failed (CUDA error 2)")
+
+    made = []
+    pool = PinnedPool(lock=refuse, unlock=lambda b: None,
+                      pinned=lambda shape, dtype: made.append(shape) or torch.zeros(shape, dtype=dtype))
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            host, buffer = pool.take((1, 3, 5), torch.bfloat16)
+            assert host.shape == (1, 3, 5) and buffer is None
+            pool.give_back(buffer)  # nothing to give back
+    assert pool.fell_back and made == [(1, 3, 5)] * 2 and pool.registered_bytes == 0
+    assert sum("using PyTorch's pinned allocator" in r.getMessage() for r in caplog.records) == 1  # said once

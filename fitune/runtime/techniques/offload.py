@@ -21,14 +21,21 @@ and gradients with the model trained without checkpointing.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..layers import find_decoder_layers
 
+log = logging.getLogger(__name__)
+
 
 def _page_lock(buffer) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    cudart = torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
     if rc != 0:
+        if hasattr(cudart, "cudaGetLastError"):  # a later launch check must not pick this error up
+            cudart.cudaGetLastError()
         raise RuntimeError(f"cudaHostRegister of {buffer.numel()} host bytes failed (CUDA error {rc}): the host may "
                            "be out of page-lockable memory (ulimit -l, or RAM): see `fitune estimate`'s host figure")
 
@@ -43,13 +50,17 @@ class PinnedPool:
     The pool owns every buffer it made for as long as it lives (a registered buffer must be unregistered before its
     memory is freed; a checkpoint lost to an out-of-memory error mid-step never gives its buffer back, and the
     buffer stays owned, not freed). `take` lends the smallest free buffer that holds the tensor (or makes one of
-    its exact size); `give_back` returns it. `lock` / `unlock` page-lock a new buffer and release it (stand-ins in
+    its exact size); `give_back` returns it. Where page-locking fails (a locked-memory limit), the checkpoint takes a
+    block of PyTorch's pinned allocator instead, with a warning. `lock` / `unlock` page-lock a new buffer and release it (stand-ins in
     tests on the CPU)."""
 
-    def __init__(self, lock=_page_lock, unlock=_page_unlock):
+    def __init__(self, lock=_page_lock, unlock=_page_unlock, pinned=None):
         self._lock, self._unlock = lock, unlock
+        self._pinned = pinned or (lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
         self._owned: list = []
         self._free: list = []
+        self.fell_back = False
+        """Page-locking failed once: checkpoints then take PyTorch's pinned blocks (`take` returns no buffer)."""
 
     @property
     def registered_bytes(self) -> int:
@@ -57,6 +68,8 @@ class PinnedPool:
 
     def take(self, shape, dtype):
         """A host tensor of `shape` and `dtype` inside a page-locked buffer, lent until `give_back`."""
+        if self.fell_back:
+            return self._pinned(shape, dtype), None
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         fitting = [b for b in self._free if b.numel() >= nbytes]
         if fitting:
@@ -66,12 +79,20 @@ class PinnedPool:
             if self._free:  # a longer batch than before: the shorter buffers go, so host RAM stays one set
                 self.release_free()
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-            self._lock(buffer)
+            try:
+                self._lock(buffer)
+            except RuntimeError as exc:  # PyTorch's own pinned allocator instead (rounded blocks), said once
+                if not self.fell_back:
+                    log.warning("offloaded checkpoints: %s; using PyTorch's pinned allocator, which rounds each "
+                                "block up to a power of two (more host RAM than fitune estimated)", exc)
+                self.fell_back = True
+                return self._pinned(shape, dtype), None
             self._owned.append(buffer)
         return buffer[:nbytes].view(dtype).view(shape), buffer
 
     def give_back(self, buffer) -> None:
-        self._free.append(buffer)
+        if buffer is not None:
+            self._free.append(buffer)
 
     def release_free(self) -> None:
         """Unlock and drop the free buffers (after the copies that used them are done)."""
