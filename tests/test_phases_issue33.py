@@ -41,6 +41,13 @@ def nf4(n: int) -> int:
 NF4_WEIGHTS = L * (2 * nf4(H * H) + 2 * nf4(H * KV) + 3 * nf4(MLP)) + 2 * (2 * V * H + L * 2 * H + H)
 
 
+def tiny_llama(**sizes) -> dict:
+    """A 2-layer Llama config.json for the CPU (4 query / 2 key-value heads), with `sizes`."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+            "rope_theta": 10000.0, **sizes}
+
+
 @pytest.fixture(scope="module")
 def llama():
     return load_model_spec("llama-3.1-8b")
@@ -128,10 +135,8 @@ def test_eval_step_agrees_with_the_trace_engines_tracker():
     from fitune.specs.model import model_spec_from_hf_config
     from fitune.trace.tracker import make_tracker
 
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
-           "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 64, "vocab_size": 8000, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "rope_theta": 10000.0}
+    cfg = tiny_llama(hidden_size=256, intermediate_size=688, head_dim=64, vocab_size=8000,
+                     max_position_embeddings=1024)
     s = TrainSetup(stack="fitune", batch_size=2, seq_len_tokens=256)
     model = prepare_model(build_random_model(cfg, device="cpu", dtype_name="bf16"), s)
     model.eval()
@@ -204,10 +209,8 @@ def test_evaluation_with_fewer_rows_and_the_chunked_loss_gives_the_same_eval_los
     from fitune.runtime.model import build_random_model, prepare_model
     from fitune.train.loop import _evaluate
 
-    cfg_hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 16, "vocab_size": 500, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": False, "rope_theta": 10000.0}
+    cfg_hf = tiny_llama(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=500,
+                        max_position_embeddings=256)
     s = TrainSetup(stack="fitune", batch_size=4, seq_len_tokens=32, dtype="fp32")
     torch.manual_seed(0)
     model = prepare_model(build_random_model(cfg_hf, device="cpu", dtype_name="fp32"), s)
