@@ -180,6 +180,7 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             t0 = time.perf_counter()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # per-step peaks in metrics.jsonl
+            retries_before = _alloc_retries(device)
             loss = _step_with_oom_guard(cfg, engine.step_model, optimizer, scaler, stream, batches, plan, step, fault,
                                         device, check_gradients=not losses)  # the process's first step
             scheduler.step()
@@ -187,7 +188,8 @@ def _train(cfg: TrainConfig, folder: outdir.RunFolder, resume_from: str | None, 
             stream_before_step = stream.state_dict()  # this step is done: its data is consumed
             step_time_s = time.perf_counter() - t0
             losses.append(loss)
-            report.step(step, _step_line(step, loss, scheduler, batches, step_time_s, plan, device, scaler))
+            report.step(step, _step_line(step, loss, scheduler, batches, step_time_s, plan, device, scaler,
+                                         _alloc_retries(device) - retries_before))
             if eval_items is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
                 eval_losses[step] = _evaluate(engine.step_model, eval_items, data_mod.pad_id(tokenizer), cfg, device,
                                               eval_rows, eval_loss)
@@ -343,8 +345,16 @@ class _Report:
             logger.close()
 
 
+def _alloc_retries(device: str) -> int:
+    """How many times the CUDA caching allocator has freed its cache and retried an allocation in this process
+    (`num_alloc_retries`, not reset by reset_peak_memory_stats): a step that needs retries runs, but slower."""
+    import torch
+
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
+
+
 def _step_line(step: int, loss: float, scheduler, batches: list, step_time_s: float, plan: Plan, device: str,
-               scaler) -> dict:
+               scaler, alloc_retries: int = 0) -> dict:
     """The step's line of metrics.jsonl."""
     import torch
 
@@ -354,7 +364,8 @@ def _step_line(step: int, loss: float, scheduler, batches: list, step_time_s: fl
             "step_time_s": step_time_s, "micro_batch_size": plan.micro_batch_size,
             "grad_checkpointing": plan.grad_checkpointing,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None}
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None,
+            "alloc_retries": alloc_retries if device == "cuda" else None}
     if scaler is not None:
         line["loss_scale"] = scaler.get_scale()
     return line
