@@ -308,6 +308,7 @@ def fitune_body(args):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT) + (os.pathsep + path if path else ""))
         if args.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        rec["varlen_kernel_env"] = env.get("FITUNE_VARLEN_KERNEL")  # the opt-in kernel path for packed rows (issue 32)
         proc = subprocess.run(plan_cmd, capture_output=True, text=True, env=env,
                               timeout=max(30, deadline - time.monotonic()))
         if proc.returncode != 0:
