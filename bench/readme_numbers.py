@@ -111,40 +111,67 @@ def real_length_rows(root: str) -> list[Row]:
     ]
 
 
+CONTEXT_CALLS = (("issue 33", os.path.join("bench", "results", "issue33", "context_pool")),
+                 ("call 2", os.path.join(PEERS, "context_per_card", "call2")),
+                 ("call 1", os.path.join(PEERS, "context_per_card", "call1")))
+"""The context records, newest first: the call on today's code (fitune and Unsloth side by side, issue 33), then
+the two calls of issue 14."""
+
+
 def _probes(root: str) -> list[dict]:
     out = []
-    for call in ("call1", "call2"):
-        out += [dict(r, call=call) for r in _lines(root, PEERS, "context_per_card", call, "max_context.jsonl")
-                if not r.get("summary")]
+    for call, folder in CONTEXT_CALLS:
+        out += [dict(r, call=call, folder=folder, label=_call_label(call, r))
+                for r in _lines(root, folder, "max_context.jsonl") if not r.get("summary") and r.get("cap")]
     return out
+
+
+def _call_label(call: str, rec: dict) -> str:
+    """How a row names its call: the commit and GPU where the record carries them (issue 34's provenance)."""
+    prov = rec.get("provenance") or {}
+    gpu = (prov.get("gpu") or {}).get("name", "")
+    short = next((w for w in ("H200", "H100", "A100") if w in gpu), gpu)
+    return f"{call}, commit {prov['commit'][:7]}, {short}" if prov.get("commit") else call
+
+
+def _newest_call(probes: list[dict], stack: str) -> list[dict]:
+    """The probes of `stack` from the newest call that has any."""
+    for call, _ in CONTEXT_CALLS:
+        mine = [r for r in probes if r["stack"] == stack and r["call"] == call]
+        if mine:
+            return mine
+    return []
 
 
 def context_rows(root: str) -> list[Row]:
     """Context per card: fitune's longest probe that fit against Unsloth's shortest out-of-memory length (its
-    longest lies between the two numbers, so the ratio is the least fitune's lead can be)."""
+    longest lies between the two numbers, so the ratio is the least fitune's lead can be), each from the newest call
+    that ran it; where the two stacks' newest calls differ, the row says so."""
     rows, probes = [], _probes(root)
     for card, cap in CARDS:
         at_cap = [r for r in probes if r["cap"] == cap]
-        best = max((r for r in at_cap if r["stack"] == "fitune" and r.get("fits") is True),
-                   key=lambda r: r["seq_len_tokens"])
-        u_fit = [r["seq_len_tokens"] for r in at_cap if r["stack"] == "unsloth" and r.get("fits") is True]
-        u_oom = min(r["seq_len_tokens"] for r in at_cap if r["stack"] == "unsloth" and r.get("fits") is False)
-        note, where = "", ""
-        if best["call"] != "call1":  # fitune alone in a later call: say so, and what its call-1 probe did
-            first = next(r for r in at_cap if r["stack"] == "fitune" and r["call"] == "call1")
-            note = f" ({best['call'][:4]} {best['call'][4:]}, fitune alone: its call-1 probe exited {first['exit']})"
-            where = " (call 1)"
+        mine = [r for r in _newest_call([r for r in at_cap if r.get("fits") is True], "fitune")]
+        best = max(mine, key=lambda r: r["seq_len_tokens"])
+        peer_call = [r for r in at_cap if r["stack"] == "unsloth" and r["call"] == best["call"]]
+        alone = not peer_call
+        peer_call = peer_call or _newest_call(at_cap, "unsloth")
+        u_fit = [r["seq_len_tokens"] for r in peer_call if r.get("fits") is True]
+        u_oom = min(r["seq_len_tokens"] for r in peer_call if r.get("fits") is False)
+        note = f" ({best['label']}, fitune alone)" if alone else f" ({best['label']})"
+        where = f" ({peer_call[0]['label']})" if alone else ""
         peer = (f"Unsloth{where} fits {_n(max(u_fit))}, out of memory at {_n(u_oom)}" if u_fit
                 else f"Unsloth{where} out of memory at {_n(u_oom)}")
+        folders = sorted({best["folder"], peer_call[0]["folder"]}, reverse=True)
         rows.append(Row(f"{CONTEXT}, {card} card ({cap.removesuffix('GiB')} GiB)",
                         f"**{_n(best['seq_len_tokens'])}**{note}", peer,
-                        f"at least {best['seq_len_tokens'] / u_oom:.2f}x", _link(f"{PEERS}/context_per_card")))
+                        f"at least {best['seq_len_tokens'] / u_oom:.2f}x",
+                        ", ".join(_link(f) for f in folders)))
     return rows
 
 
 def render_results(root: str) -> str:
     rows = seeds_rows(root) + real_length_rows(root) + context_rows(root)
-    lines = ["| measured on one H200 (allocator capped at the card's budget) | fitune | strongest peer, same call "
+    lines = ["| measured on one GPU, H200 unless the row names another (allocator capped at the card's budget) | fitune | strongest peer, same call "
              "| fitune against it | records |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r.what} | {r.fitune} | {r.peer} | {r.ratio} | {r.records} |" for r in rows]
     liger = hf_liger_by_call(root)
@@ -193,22 +220,37 @@ def host_ram_note(root: str) -> str:
             f"block up to {rounded / gib:.0f} GiB ({layers} x {rounded / gib:.0f} GiB), and the first run's blocks "
             f"stayed cached. {today_context_note(root)} `fitune plan` holds plans to the host RAM (this machine's, else "
             f"64 GiB assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}, "
-            f"{_link('bench/results/issue33/context')}.")
+            f"{_link('bench/results/issue33/context')}, {_link('bench/results/issue33/context_pool')}.")
 
 
 def today_context_note(root: str) -> str:
-    """The plan's longest QLoRA context for 64 GiB of host RAM, run by `fitune train` in a fresh process on the
-    code of its record (bench/results/issue33/context): its GPU and host peaks against the estimate."""
+    """The plan's longest QLoRA context for 64 GiB of host RAM, run by `fitune train` in a fresh process: before
+    (bench/results/issue33/context, PyTorch's rounded pinned blocks) and after (issue33/context_pool, fitune's
+    exact-size page-locked buffers) the change of issue 33; GPU and host peaks against the estimate."""
     gib = 2 ** 30
-    (r,) = [x for x in _lines(root, "bench", "results", "issue33", "context", "max_context.jsonl") if x.get("probe")]
-    assert r["fits"] and r["oom_guard_replans"] == 0, r
-    return (f"On today's code (commit {r['provenance']['commit'][:7]}), `fitune plan --host-ram 64GiB`'s longest, "
-            f"{_n(r['seq_len_tokens'])} tokens, trained in a fresh process within the card "
-            f"({r['peak_allocated_bytes'] / gib:.2f} GiB allocated, estimated {r['est_peak_allocated_bytes'] / gib:.2f}; "
-            f"no allocator retry) and peaked at {r['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM: "
-            f"{r['host_pinned_peak_bytes'] / gib:.1f} GiB of pinned blocks rounded by PyTorch 2.11, against "
-            f"{r['est_host_peak_bytes'] / gib:.1f} GiB estimated for exact-size blocks. Since then offloaded "
-            "checkpoints wait in exact-size page-locked buffers on every PyTorch (not yet measured on the GPU).")
+
+    def probe(folder: str) -> dict:
+        (r,) = [x for x in _lines(root, "bench", "results", "issue33", folder, "max_context.jsonl")
+                if x.get("probe") and x["stack"] == "fitune" and x["cap"] == "23.4GiB"]
+        assert r["fits"] and r["oom_guard_replans"] == 0, r
+        return r
+
+    before, r = probe("context"), probe("context_pool")
+    return (f"On commit {r['provenance']['commit'][:7]} ({_call_label('', r).split(', ')[-1]}), `fitune plan "
+            f"--host-ram 64GiB`'s longest, {_n(r['seq_len_tokens'])} tokens, trained in a fresh process within the card "
+            f"({r['peak_allocated_bytes'] / gib:.2f} GiB allocated, estimated {r['est_peak_allocated_bytes'] / gib:.2f}) "
+            f"and peaked at {r['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM (estimated "
+            f"{r['est_host_peak_bytes'] / gib:.1f}; {r['host_registered_bytes'] / gib:.1f} GiB of it the checkpoints' "
+            f"exact-size buffers, page-locked by fitune). Before that change (commit "
+            f"{before['provenance']['commit'][:7]}), the same run peaked at {before['host_peak_rss_bytes'] / gib:.1f} "
+            f"GiB: PyTorch {torch_minor_of(root)}'s pinned blocks, rounded up to powers of two.")
+
+
+def torch_minor_of(root: str) -> str:
+    """The GPU machine's PyTorch (major.minor), from the context call's env.txt."""
+    env = open(os.path.join(root, "bench", "results", "issue33", "context_pool", "env.txt"), encoding="utf-8").read()
+    version = next(w for line in env.splitlines() if line.startswith("torch ") for w in line.split()[1:2])
+    return ".".join(version.split(".")[:2])
 
 
 def render_accuracy(root: str) -> str:
