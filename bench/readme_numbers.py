@@ -157,7 +157,9 @@ def context_rows(root: str) -> list[Row]:
         peer_call = peer_call or _newest_call(at_cap, "unsloth")
         u_fit = [r["seq_len_tokens"] for r in peer_call if r.get("fits") is True]
         u_oom = min(r["seq_len_tokens"] for r in peer_call if r.get("fits") is False)
-        note = f" ({best['label']}, fitune alone)" if alone else f" ({best['label']})"
+        host = (f"; host RAM peak {best['host_peak_rss_bytes'] / 2**30:.1f} GiB" if best.get("host_peak_rss_bytes")
+                else "")
+        note = f" ({best['label']}{host}, fitune alone)" if alone else f" ({best['label']}{host})"
         where = f" ({peer_call[0]['label']})" if alone else ""
         peer = (f"Unsloth{where} fits {_n(max(u_fit))}, out of memory at {_n(u_oom)}" if u_fit
                 else f"Unsloth{where} out of memory at {_n(u_oom)}")

@@ -126,7 +126,8 @@ def _probe_record(args, n: int) -> dict:
     return {"stack": args.stack, "probe": True, "cap": args.cap, "seq_len_tokens": n, "tokens_per_step": n,
             "micro_batch_size": 1, "grad_accum": 1, "steps": args.steps, "method": args.method,
             "lora": _lora(args), "optim": args.optim if args.stack == "unsloth" else
-            f"the plan's, one of: {args.fitune_optimizer}"}
+            f"the plan's, one of: {args.fitune_optimizer}",
+            **({"plan_host_ram": args.fitune_host_ram} if args.stack == "fitune" and args.fitune_host_ram else {})}
 
 
 # ---- child: one probe --------------------------------------------------------------------------------------
