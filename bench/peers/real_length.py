@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "peers_real_length"),
                    help="the data file and fitune's plan and run go here")
     p.add_argument("--timeout", type=float, default=540, help="fitune: seconds for `fitune plan` + `fitune train`")
+    p.add_argument("--plan-args", default="", help="fitune: more `fitune plan` flags, one string (e.g. "
+                                                    "'--compile layers')")
     args = p.parse_args(argv)
     if args.micro_batch is None:
         args.micro_batch = MICRO_BATCH.get(args.stack)
@@ -302,7 +305,7 @@ def fitune_body(args):
         plan_path = os.path.join(run, "plan.yaml")
         plan_cmd = fitune + ["plan", args.model_dir, "--gpu", args.cap or "rtx4090", "--data", data, "--tokenizer",
                              args.model_dir, "--method", "lora", "--lora-rank", "8", "--lora-targets",
-                             ",".join(TARGETS), "--write", plan_path]
+                             ",".join(TARGETS), "--write", plan_path] + shlex.split(args.plan_args)
         rec["plan_command"] = " ".join(plan_cmd[2:])
         path = os.environ.get("PYTHONPATH")  # this checkout first on the subprocesses' path
         env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT) + (os.pathsep + path if path else ""))
