@@ -130,3 +130,26 @@ def test_the_export_phase_recomputed_against_its_cpu_record():
         assert r["exit"] == 0 and r["provenance"]["commit"]
         est = export_phase(spec, TrainSetup(), r["qtype"]).host_bytes
         assert abs(r["host_no_weight_files_peak_bytes"] / est - 1) <= 0.10, (r["qtype"], r["host_over_est"])
+
+
+def test_the_longest_context_with_exact_size_host_buffers_is_within_the_goals():
+    """bench/results/issue33/context_pool (bench/calls/issue33_context.sh, commit 9264dcb, H100): `fitune plan
+    --host-ram 64GiB`'s longest QLoRA context trained by `fitune train` with the page-locked pool, beside Unsloth
+    in the same call. Issue 33's goals: 2 % allocated, 5 % reserved, host peak within 10 %, and at least 1.5x
+    Unsloth's context under the same card budget (against Unsloth's shortest out-of-memory length: the least the
+    ratio can be)."""
+    path = os.path.join(ROOT, "bench", "results", "issue33", "context_pool", "max_context.jsonl")
+    with open(path, encoding="utf-8") as f:
+        probes = [r for r in map(json.loads, f) if r.get("probe") and r["cap"] == "23.4GiB"]
+    (fit,) = [r for r in probes if r["stack"] == "fitune"]
+    assert fit["fits"] and fit["steps_done"] == 2 and fit["oom_guard_replans"] == 0
+    assert fit["provenance"]["commit"].startswith("9264dcb") and fit["provenance"]["diff_sha256"] == ""
+    assert abs(fit["peak_allocated_bytes"] / fit["est_peak_allocated_bytes"] - 1) <= 0.02
+    assert abs(fit["peak_reserved_bytes"] / fit["est_peak_reserved_bytes"] - 1) <= 0.05
+    assert abs(fit["host_peak_rss_bytes"] / fit["est_host_peak_bytes"] - 1) <= 0.10
+    assert fit["host_registered_bytes"] > 30 * GiB  # the checkpoints went through fitune's pool, not PyTorch's blocks
+    assert fit["host_pinned_peak_bytes"] < 0.01 * GiB
+    unsloth = [r for r in probes if r["stack"] == "unsloth"]
+    oom = min(r["seq_len_tokens"] for r in unsloth if r["fits"] is False)
+    assert max(r["seq_len_tokens"] for r in unsloth if r["fits"]) < oom
+    assert fit["seq_len_tokens"] / oom >= 1.5
