@@ -85,7 +85,7 @@ def attention_call(case: str, heads: int, kv_heads: int, head_dim: int, device: 
     if case == "mask":
         return lambda q, k, v, pos, pos_cpu, kw: sdpa_attention_forward(
             module, q, k, v, _mask(pos, q.dtype), scaling=module.scaling)[0]
-    if not va.kernel_available(device):
+    if device != "cuda" or va.load_kernel() is None:  # the kernel itself, whether or not FITUNE_VARLEN_KERNEL is set
         return "varlen_attn needs a CUDA device and torch >= 2.10"
     return lambda q, k, v, pos, pos_cpu, kw: va.varlen_attention_forward(
         module, q, k, v, None, scaling=module.scaling, position_ids=pos, **kw)[0]

@@ -14,3 +14,27 @@ def test_alloc_retries_reads_the_cuda_counter_and_is_zero_off_cuda(monkeypatch):
     assert loop._alloc_retries("cpu") == 0
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})  # a fresh process: the key is absent
     assert loop._alloc_retries("cuda") == 0
+
+
+def test_train_says_once_when_steps_after_the_first_need_retries(tmp_path, monkeypatch, caplog):
+    """The first step's retries (the cache filling) pass silently; a later step's are said once, on stderr's log."""
+    import logging
+
+    from types import SimpleNamespace
+
+    class Metrics(list):
+        def write(self, text):
+            self.append(text)
+
+        def flush(self):
+            pass
+
+    report = loop._Report.__new__(loop._Report)
+    report.metrics, report.loggers, report.bar = Metrics(), [], SimpleNamespace(update=lambda line: None)
+    report.steps_seen, report.retries_said = 0, False
+    with caplog.at_level(logging.WARNING, logger=loop.log.name):
+        for step, retries in enumerate([5, 0, 3, 4], start=1):
+            report.step(step, {"step": step, "alloc_retries": retries})
+    said = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
+    assert said == [said[0]] and "step 3" in said[0] and "retried 3 times" in said[0]
+    assert len(report.metrics) == 4

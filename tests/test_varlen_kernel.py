@@ -99,6 +99,7 @@ def torch_op_on_cpu():
         varlen._varlen_attn_backward.register_kernel("cpu")(_op_backward_cpu)
         _OP_ON_CPU["registered"] = True
     _OP_ON_CPU["on"] = True
+    va.load_kernel()  # reads whether this torch's varlen_attn takes enable_gqa (2.11's does not)
     yield varlen.varlen_attn
     _OP_ON_CPU["on"] = False
 
@@ -225,6 +226,27 @@ def test_kernel_path_equals_the_segment_loop_and_the_mask(monkeypatch, kernel):
     assert len(calls) == CFG["num_hidden_layers"]  # one call per layer, for all the rows
     _assert_same(got, loop)
     _assert_same(got, masked)
+
+
+def test_a_varlen_attn_without_enable_gqa_gets_repeated_kv_heads(monkeypatch):
+    """torch 2.11's varlen_attn has no `enable_gqa` (it failed so on the GPU machine): K and V are then repeated to
+    the query's heads before the call, and the result is the segment loop's."""
+    def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        assert key.shape[1] == query.shape[1], "K and V repeated to the query's heads"
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                     window_size=window_size)
+
+    assert not va.takes_keyword(varlen_attn_2_11, "enable_gqa")
+    assert va.takes_keyword(reference_varlen_attn, "enable_gqa") and va.takes_keyword(lambda **kw: 0, "enable_gqa")
+    ids, pos = _packed()
+    loop = _run(_model(va.NAME), ids, pos)
+    monkeypatch.setattr(va, "_KERNEL_TAKES_GQA", [False])
+    calls = _use_kernel(monkeypatch, varlen_attn_2_11)
+    model = _model(va.NAME)
+    got = _run(model, ids, pos, **va.varlen_inputs(model, pos, ids.shape[0], "cpu"))
+    assert len(calls) == CFG["num_hidden_layers"]
+    _assert_same(got, loop)
 
 
 def test_the_training_step_passes_the_bounds(monkeypatch, kernel):

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, replace
 
 from ..setup import TrainSetup
+from ..specs import optimizers as optimizer_specs
 from ..specs.model import ModelSpec
 from ..units import GiB
 from . import adapters, loss as loss_terms, overheads, weights
@@ -329,15 +330,28 @@ def eval_choice(m: ModelSpec, setup: TrainSetup, est, budget_bytes: int, rows_to
 # ---- save ----------------------------------------------------------------------------------------------------------
 
 
-def checkpoint_host_bytes(m: ModelSpec, setup: TrainSetup, est) -> int:
+def checkpoint_host_bytes(m: ModelSpec, setup: TrainSetup, est=None) -> int:
     """Host memory a periodic checkpoint adds (fitune/train/checkpoint.py `save`): the trainable parameters copied
     to the host (`p.detach().contiguous().cpu()`, held in `trainable` until `save` returns; safetensors 0.8 writes
     CPU tensors without another copy), then the optimizer state one shard of at most `CHECKPOINT_SHARD_BYTES` at a
     time (`_write_tree`: `{k: v.cpu()}` per shard). (A state tensor larger than a shard would be a shard of its
-    own; no catalog model has one: Llama 3 8B's largest, the embedding's fp32 moment, is 1.96 GiB.)"""
+    own; no catalog model has one: Llama 3 8B's largest, the embedding's fp32 moment, is 1.96 GiB.) Without an
+    estimate `est` (fitune plan's host check, before one exists), the state is AdamW's at fp32, the largest of
+    fitune/specs/optimizers.py: a bound."""
     trainable = adapters.trainable_param_bytes(m, setup)
-    state = est.resident_bytes.get("optimizer_states", 0)
+    if est is not None:
+        state = est.resident_bytes.get("optimizer_states", 0)
+    else:
+        state = optimizer_specs.get("adamw").state_bytes((adapters.trainable_param_count(m, setup),), 4)
     return trainable + min(state, CHECKPOINT_SHARD_BYTES)
+
+
+def save_added_host_bytes(m: ModelSpec, setup: TrainSetup, est=None) -> int:
+    """What saving adds to the training step's host memory: a checkpoint's copies or the final outputs, the
+    larger (`save_phase`). The run's host peak is the training step's plus this (a 122,880-token QLoRA plan held
+    to 32 GiB of host RAM by its training step alone peaked at 32.8 GiB while saving:
+    bench/results/issue33/rows)."""
+    return max(checkpoint_host_bytes(m, setup, est), final_output_host_bytes(m, setup))
 
 
 def final_output_host_bytes(m: ModelSpec, setup: TrainSetup) -> int:
@@ -360,7 +374,8 @@ def save_phase(m: ModelSpec, setup: TrainSetup, est, host_pinned_bytes: int | No
     what = "a checkpoint: the trainable weights and one optimizer shard copied to the host" if ckpt >= final else \
         "the final model folder: save_pretrained copies a whole shard to the host"
     return PhasePeak("save", resident, max(resident, est.peak_reserved_bytes),
-                     train_step_host_bytes(m, setup, est, host_pinned_bytes) + max(ckpt, final), what)
+                     train_step_host_bytes(m, setup, est, host_pinned_bytes) + save_added_host_bytes(m, setup, est),
+                     what)
 
 
 # ---- merge and export ------------------------------------------------------------------------------------------------

@@ -323,8 +323,16 @@ class _Report:
         self.loggers = make_loggers(cfg.report_to, cfg.output_dir, os.path.basename(os.path.normpath(cfg.output_dir)),
                                     cfg.to_dict()) if is_main else []  # [parallel] rank 0 alone logs
         self.bar = progress_bar(total_steps, step, progress, device, cfg.cap, log_every=cfg.log_every)
+        self.steps_seen = 0
+        self.retries_said = False
 
     def step(self, step: int, line: dict) -> None:
+        self.steps_seen += 1
+        if line.get("alloc_retries") and self.steps_seen > 1 and not self.retries_said:  # past the first step
+            self.retries_said = True
+            log.warning("fitune train: step %d: the CUDA allocator freed its cache and retried %d times (see "
+                        "`alloc_retries` in metrics.jsonl): the step fits, but each retry costs time; a shorter "
+                        "seq_len or micro-batch leaves it room", step, line["alloc_retries"])
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
         for logger in self.loggers:

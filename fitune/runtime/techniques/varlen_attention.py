@@ -33,6 +33,7 @@ tests/test_varlen_kernel.py; timing on the GPU: bench/packed_attention.py.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -118,6 +119,20 @@ def _attn_implementation(model) -> str | None:
 _VARLEN_ATTN: list = []
 """torch's `varlen_attn` once `load_kernel` found it (a module global: a traced layer reads it without importing)."""
 
+_KERNEL_TAKES_GQA: list = [True]
+"""Whether that `varlen_attn` takes `enable_gqa` (torch 2.13's does; torch 2.11's does not: "unexpected keyword
+argument 'enable_gqa'" on the GPU machine, bench/results/issue32/kernel). Without it, K and V are repeated to the
+query's heads before the call. Set once by `load_kernel`, read as a constant by a traced layer."""
+
+
+def takes_keyword(fn, name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: assume the documented one
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
 
 def load_kernel():
     """torch's `varlen_attn` (torch >= 2.10), or None on an older torch."""
@@ -127,6 +142,7 @@ def load_kernel():
         except ImportError:
             varlen_attn = None
         _VARLEN_ATTN.append(varlen_attn)
+        _KERNEL_TAKES_GQA[0] = varlen_attn is None or takes_keyword(varlen_attn, "enable_gqa")
     return _VARLEN_ATTN[0]
 
 
@@ -178,8 +194,12 @@ def _kernel_forward(kernel, query, key, value, cu_q, cu_k, max_q: int, max_k: in
     q = query.transpose(1, 2).reshape(b * s, heads, d)
     k = key.transpose(1, 2).reshape(b * s, kv_heads, d)
     v = value.transpose(1, 2).reshape(b * s, kv_heads, d)
-    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0),
-                 enable_gqa=kv_heads != heads)  # window (-1, 0): causal; GQA without repeating K and V
+    gqa = {}
+    if kv_heads != heads and _KERNEL_TAKES_GQA[0]:
+        gqa = {"enable_gqa": True}  # GQA without repeating K and V
+    elif kv_heads != heads:  # a varlen_attn without enable_gqa (torch 2.11): each kv head repeated for its group
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head i reads kv head i // group
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **gqa)  # (-1, 0): causal
     return out.view(b, s, heads, d), None
 
 
