@@ -148,8 +148,9 @@ def load_kernel():
 
 KERNEL_ENV = "FITUNE_VARLEN_KERNEL"
 """Set to 1 to use the kernel path. Off by default until it has trained as the segment loop does on a GPU (the
-`gpu` test of tests/test_varlen_kernel.py and bench/packed_attention.py, not yet run): a faster attention that
-changed what is learned would be a bug."""
+`gpu` test of tests/test_varlen_kernel.py and bench/packed_attention.py): a faster attention that changed what is
+learned would be a bug. Its first GPU run (torch 2.11, bench/results/issue32/kernel) failed on `enable_gqa`, which
+that torch's kernel lacks; fixed (`_KERNEL_TAKES_GQA`), not yet run again."""
 
 
 def kernel_available(device) -> bool:
