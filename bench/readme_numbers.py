@@ -222,7 +222,8 @@ def host_ram_note(root: str) -> str:
             f"block up to {rounded / gib:.0f} GiB ({layers} x {rounded / gib:.0f} GiB), and the first run's blocks "
             f"stayed cached. {today_context_note(root)} `fitune plan` holds plans to the host RAM (this machine's, else "
             f"64 GiB assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}, "
-            f"{_link('bench/results/issue33/context')}, {_link('bench/results/issue33/context_pool')}.")
+            f"{_link('bench/results/issue33/context')}, {_link('bench/results/issue33/context_pool')}, "
+            f"{_link('bench/results/issue33/rows')}.")
 
 
 def today_context_note(root: str) -> str:
@@ -245,7 +246,25 @@ def today_context_note(root: str) -> str:
             f"{r['est_host_peak_bytes'] / gib:.1f}; {r['host_registered_bytes'] / gib:.1f} GiB of it the checkpoints' "
             f"exact-size buffers, page-locked by fitune). Before that change (commit "
             f"{before['provenance']['commit'][:7]}), the same run peaked at {before['host_peak_rss_bytes'] / gib:.1f} "
-            f"GiB: PyTorch {torch_minor_of(root)}'s pinned blocks, rounded up to powers of two.")
+            f"GiB: PyTorch {torch_minor_of(root)}'s pinned blocks, rounded up to powers of two. {host_32_note(root)}")
+
+
+def host_32_note(root: str) -> str:
+    """The 32 GiB host rows (bench/results/issue33/rows): what ran, its host peak, the allocator retries, and the
+    plan's longest since its host check counts saving (bench/results/issue33/context/plan_longest.jsonl)."""
+    gib = 2 ** 30
+    rows = {r["method"]: r for r in _lines(root, "bench", "results", "issue33", "rows", "max_context.jsonl")
+            if r.get("probe")}
+    q, lo = rows["qlora"], rows["lora"]
+    longest = {(r["method"], r["host_ram"]): r["plan_longest_tokens"]
+               for r in _lines(root, "bench", "results", "issue33", "context", "plan_longest.jsonl")}
+    retries = sorted({n for r in rows.values() for n in r["alloc_retries_per_step"]})
+    return (f"With 32 GiB of host RAM (commit {q['provenance']['commit'][:7]}): QLoRA {_n(q['seq_len_tokens'])} tokens "
+            f"trained within the card and peaked at {q['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM while "
+            f"saving, over the 32 GiB its plan was held to by the training step alone; `fitune plan` now counts the "
+            f"save too, and its longest is {_n(longest[('qlora', '32GiB')])} (not yet run on the GPU). bf16 LoRA: "
+            f"{_n(lo['seq_len_tokens'])} tokens, host peak {lo['host_peak_rss_bytes'] / gib:.1f} GiB. Both runs needed "
+            f"{retries[0]} to {retries[-1]} allocator retries in every step, which their plans did not expect.")
 
 
 def torch_minor_of(root: str) -> str:
