@@ -418,10 +418,10 @@ def _space(req: PlanRequest, methods: list[str]) -> tuple[list[_Group], dict[tup
                 unprobed[(method, gpus, strategy)] = micros
             ckpts, losses = (("none", "full"), ("hf",)) if req.keep_outputs else (RUNNABLE_CHECKPOINTING, req.losses)
             for micro, ckpt, attn, loss in itertools.product(micros, ckpts, req.attns, losses):
-                if ckpt == "offload" and _offload_over_host(req, micro, method=method):
+                if ckpt == "offload" and _offload_over_host(req, micro, method):
                     continue  # the offloaded checkpoints would not fit in the host memory given
                 for emb in (False, True) if ckpt == "offload" and _embeddings_offloadable(req, method, gpus) else (False,):
-                    if emb and _offload_over_host(req, micro, method=method, offload_embeddings=True):
+                    if emb and _offload_over_host(req, micro, method, offload_embeddings=True):
                         continue  # nor with the embedding table in host memory too
                     g = _Group(method, micro, ckpt, attn, _packing(req, micro, attn), loss, gpus=gpus, strategy=strategy,
                                offload_embeddings=emb)
@@ -556,13 +556,13 @@ def _lightest_group(req: PlanRequest, method: str, micro: int, gpus: int, strate
     """The setup of an option (method, GPU count, strategy) at `micro` with checkpointing `ckpt` that needs the
     least memory among those the search visits: the chunked loss, the lightest attention, the embedding table on
     the CPU where that is searched; offloaded checkpoints become full where the host memory cannot hold them."""
-    if ckpt == "offload" and _offload_over_host(req, micro, method=method):
+    if ckpt == "offload" and _offload_over_host(req, micro, method):
         ckpt = "full"
     loss = "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf"
     known = [a for a in req.attns if a in _ATTN_MEMORY]
     attn = min(known, key=_ATTN_MEMORY.get) if known else req.attns[0]
     emb = (ckpt == "offload" and _embeddings_offloadable(req, method, gpus)
-           and not _offload_over_host(req, micro, method=method, offload_embeddings=True))
+           and not _offload_over_host(req, micro, method, offload_embeddings=True))
     return _Group(method, micro, ckpt, attn, _packing(req, micro, attn), loss, gpus=gpus, strategy=strategy,
                   offload_embeddings=emb)
 
@@ -603,7 +603,7 @@ def _offload_host_bytes(req: PlanRequest, micro: int, seq_len_tokens: int | None
     return micro * seq * req.model.hidden_size * 2 * req.model.num_layers
 
 
-def _offload_over_host(req: PlanRequest, micro: int, seq_len_tokens: int | None = None, method: str = "lora",
+def _offload_over_host(req: PlanRequest, micro: int, method: str, seq_len_tokens: int | None = None,
                        offload_embeddings: bool = False) -> bool:
     """Whether the run's host memory with offloaded checkpoints is over the request's host RAM: the training
     step's (fitune/memory/phases.py `train_step_host_bytes`: the process's baseline, the pinned inputs
@@ -938,9 +938,9 @@ def _why_not_faster(last: Plan, infeasible: list[_Group], with_retries: list[Pla
 def _lightest(req: PlanRequest, method: str, seq_len_tokens: int | None = None, **changes) -> TrainSetup:
     attn = "sdpa" if "sdpa" in req.attns else req.attns[0]
     opt = next(o for o in OPTIMIZER_BY_MEMORY if o in req.optimizers)
-    ckpt = "offload" if not _offload_over_host(req, 1, seq_len_tokens, method) and not req.keep_outputs else "full"
+    ckpt = "offload" if not _offload_over_host(req, 1, method, seq_len_tokens) and not req.keep_outputs else "full"
     emb = _embeddings_offloadable(req, method, 0) and not (  # 0: on the request's --gpus
-        ckpt == "offload" and _offload_over_host(req, 1, seq_len_tokens, method, offload_embeddings=True))
+        ckpt == "offload" and _offload_over_host(req, 1, method, seq_len_tokens, offload_embeddings=True))
     g = _Group(method, 1, ckpt, attn, False, "chunked" if "chunked" in req.losses and not req.keep_outputs else "hf",
                offload_embeddings=emb)
     s = _setup(req, g, opt, **changes)
