@@ -190,3 +190,19 @@ def test_the_plan_holds_the_whole_run_to_the_host_ram_not_only_its_training_step
     assert host_peak(phase_peaks(setup, spec, est, source="folder")).host_bytes <= 32 * GiB
     at_record = estimate(spec, setup.replace(seq_len_tokens=122880), resolve_gpu("rtx4090"))
     assert host_peak(phase_peaks(setup.replace(seq_len_tokens=122880), spec, at_record)).host_bytes > 32 * GiB
+
+
+def test_plan_says_when_host_ram_rules_out_offloaded_checkpoints():
+    """Where even one row's offloaded checkpoints (and a save) need more host RAM than given, the plan says so
+    with the figure instead of dropping offloading silently: the 122,880-token QLoRA row with 32 GiB."""
+    import dataclasses
+
+    from fitune.plan.search import PlanRequest, plan
+
+    req = PlanRequest(model=load_model_spec("llama-3.1-8b"), gpu=resolve_gpu("rtx4090"), seq_len_tokens=122880,
+                      batch_size=1, methods=("qlora",), lora_rank=32, lora_targets=("all-linear",),
+                      host_ram_bytes=32 * GiB)
+    lines = [r for r in plan(req).rejected if r.reason == "host_ram"]
+    assert len(lines) == 1 and "offloaded checkpoints" in lines[0].message and "32.94 GiB" in lines[0].message
+    shorter = plan(dataclasses.replace(req, seq_len_tokens=118784))
+    assert shorter.plans and not [r for r in shorter.rejected if r.reason == "host_ram"]

@@ -376,6 +376,7 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
         r = _host_ram_rejection(req, method)
         if r is None:
             methods.append(method)
+            rejected += [o for o in [_offload_host_rejection(req, method)] if o is not None]
         else:
             rejected.append(r)
 
@@ -603,19 +604,36 @@ def _offload_host_bytes(req: PlanRequest, micro: int, seq_len_tokens: int | None
     return micro * seq * req.model.hidden_size * 2 * req.model.num_layers
 
 
-def _offload_over_host(req: PlanRequest, micro: int, method: str, seq_len_tokens: int | None = None,
-                       offload_embeddings: bool = False) -> bool:
-    """Whether the run's host memory with offloaded checkpoints is over the request's host RAM: the training
-    step's (fitune/memory/phases.py `train_step_host_bytes`: the process's baseline, the pinned inputs
-    `_offload_host_bytes`, the embedding table where it is offloaded) plus what saving adds
-    (`save_added_host_bytes`, the optimizer state bounded by AdamW's: no estimate exists yet)."""
-    if req.host_ram_bytes is None:
-        return False
+def _offload_run_host_bytes(req: PlanRequest, micro: int, method: str, seq_len_tokens: int | None = None,
+                            offload_embeddings: bool = False) -> int:
+    """The run's host memory with offloaded checkpoints: the training step's (fitune/memory/phases.py
+    `train_step_host_bytes`: the process's baseline, the pinned inputs `_offload_host_bytes`, the embedding table
+    where it is offloaded) plus what saving adds (`save_added_host_bytes`, the optimizer state bounded by AdamW's:
+    no estimate exists yet)."""
     s = _setup(req, _Group(method, micro, "offload", "sdpa", False, "chunked", offload_embeddings=offload_embeddings),
                "adamw", seq_len_tokens=seq_len_tokens or req.seq_len_tokens)
-    need = (HOST_RUNTIME_BASELINE_BYTES + _offload_host_bytes(req, micro, seq_len_tokens)
+    return (HOST_RUNTIME_BASELINE_BYTES + _offload_host_bytes(req, micro, seq_len_tokens)
             + weight_terms.offloaded_embedding_bytes(req.model, s) + save_added_host_bytes(req.model, s))
-    return need > req.host_ram_bytes
+
+
+def _offload_over_host(req: PlanRequest, micro: int, method: str, seq_len_tokens: int | None = None,
+                       offload_embeddings: bool = False) -> bool:
+    """Whether `_offload_run_host_bytes` is over the request's host RAM."""
+    if req.host_ram_bytes is None:
+        return False
+    return _offload_run_host_bytes(req, micro, method, seq_len_tokens, offload_embeddings) > req.host_ram_bytes
+
+
+def _offload_host_rejection(req: PlanRequest, method: str) -> Rejection | None:
+    """The line that says why no plan of `method` offloads its checkpoints: even one row's need more host RAM than
+    the request has (otherwise the user sees only setups without offloading, and not why)."""
+    if req.keep_outputs or not _offload_over_host(req, 1, method):
+        return None
+    label = f"{METHOD_LABELS[method]}, offloaded checkpoints"
+    need = _offload_run_host_bytes(req, 1, method)
+    return Rejection(label, f"{label}: the run needs {_fmt(need)} of host RAM (each layer's input, 1 row, waits in "
+                     f"host memory; a save adds its copies) > {_fmt(req.host_ram_bytes)} {req.host_ram_origin}",
+                     None, None, req.gpu.allocator_budget_bytes, "host_ram")
 
 
 def _packing(req: PlanRequest, micro: int, attn: str) -> bool:
