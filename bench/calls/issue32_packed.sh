@@ -3,7 +3,7 @@
 # transformers' block-diagonal mask (exactness: the largest difference of output and gradients; speed; eager and
 # compiled); (2) the real-length workload (bench/peers/real_length.py) in one call: TRL's packed SFTTrainer, fitune
 # with FITUNE_VARLEN_KERNEL=1 (the kernel path) planned with --compile layers and without, fitune as planned
-# (segment loop); the first again last with PACKED_REPEAT=1 (noise about +-8 %). The kernel's GPU test: bench/calls/issue33_rows.sh.
+# (segment loop); before them the kernel's GPU test (tests/test_varlen_kernel.py); the first again last with PACKED_REPEAT=1 (noise about +-8 %). The kernel's GPU test: bench/calls/issue33_rows.sh.
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue32_packed.sh $OUT/packed
 set -u
 OUT=${1:?usage: issue32_packed.sh OUT}
@@ -17,6 +17,10 @@ DEVICE=${PEERS_DEVICE:-cuda}
 mkdir -p "$OUT" "$LOGS" "$WORK"
 write_env "budget=${BUDGET}s issue32_packed"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+if "$PY" -c 'import pytest' 2>/dev/null; then  # the kernel's GPU test (tests/test_varlen_kernel.py) first, alone
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_varlen_kernel.py > "$OUT/pytest_varlen.log" 2>&1
+  echo "tests/test_varlen_kernel.py rc=$?"; tail -4 "$OUT/pytest_varlen.log"
+fi
 timeout 90 "$PY" bench/packed_attention.py --device "$DEVICE" --out "$OUT/packed_attention.jsonl" > "$LOGS/pa.log" 2>&1; echo "packed_attention rc=$?"; tail -3 "$LOGS/pa.log"
 timeout 120 "$PY" bench/packed_attention.py --device "$DEVICE" --out "$OUT/packed_attention.jsonl" --compile > "$LOGS/pa_c.log" 2>&1; echo "packed_attention --compile rc=$?"; tail -3 "$LOGS/pa_c.log"
 probe_setup
