@@ -149,6 +149,10 @@ def measure(case: str, args, device: str, tensors, layouts, reference: dict | No
         rec.update(_timing(times, args, cuda, base if cuda else 0))
         if args.compile:
             rec["unique_graphs"] = int(counters["stats"]["unique_graphs"])
+        if case == "varlen":  # how the kernel was given grouped-query K and V (keyword / native / repeat)
+            from fitune.runtime.techniques.varlen_attention import settle_gqa
+
+            rec["kernel_gqa"] = settle_gqa(device)
         rec.update(_exactness(out, grads, reference))
     except Exception as exc:  # noqa: BLE001 - a failing kernel is a result here
         rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"

@@ -113,3 +113,37 @@ def test_pinned_pool_falls_back_to_pytorchs_pinned_blocks_where_page_locking_fai
             pool.give_back(buffer)  # nothing to give back
     assert pool.fell_back and made == [(1, 3, 5)] * 2 and pool.registered_bytes == 0
     assert sum("using PyTorch's pinned allocator" in r.getMessage() for r in caplog.records) == 1  # said once
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the side stream and its allocator)")
+def test_offload_on_the_gpu_is_exact_while_the_gpu_lags_the_host():  # pragma: no cover - GPU only
+    """On CUDA each restored input is filled on the side stream while the compute stream may still read the block
+    the allocator hands out: with every layer's input the same size, a block freed by one layer's backward is what
+    the next prefetch gets. Each layer's forward here first makes the GPU sleep, so the host runs ahead of it, and
+    the loss and gradients must still be those of the run without checkpointing."""
+    def model():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=256)
+        m = wrap_lora(transformers.LlamaForCausalLM(cfg), 8, ["q_proj", "v_proj", "down_proj"]).cuda()
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+        m.train()
+        for layer in m.base_model.model.model.layers:
+            layer.register_forward_pre_hook(lambda mod, args: torch.cuda._sleep(20_000_000))
+        return m
+
+    ids = torch.randint(0, 256, (2, 1024), device="cuda")
+    ref_loss, ref_grads = _loss_and_grads(model(), ids)
+    m = model()
+    enable_checkpointing(m)
+    enable_offloaded_checkpointing(m)
+    for _ in range(2):  # the second step reuses the pool's host buffers and the allocator's cached blocks
+        m.zero_grad(set_to_none=True)
+        loss, grads = _loss_and_grads(m, ids)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(loss, ref_loss)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)

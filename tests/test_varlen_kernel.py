@@ -204,14 +204,18 @@ def test_kernel_needs_cuda():
     assert not va.kernel_available("cpu")
 
 
-def test_the_kernel_path_is_opt_in_until_verified_on_a_gpu(monkeypatch):
-    """Without FITUNE_VARLEN_KERNEL=1 the kernel path is off even where it could run (a CUDA device, torch's
-    varlen_attn present): the segment loop, verified, stays the default."""
+def test_the_kernel_path_is_on_by_default_and_0_turns_it_off(monkeypatch):
+    """Since its GPU run (bench/results/issue32/packed: the loop's outputs, gradients and losses) the kernel path runs
+    wherever it can (a CUDA device, torch's varlen_attn present); FITUNE_VARLEN_KERNEL=0 keeps the segment loop."""
     monkeypatch.setattr(va, "load_kernel", lambda: object())
     monkeypatch.delenv(va.KERNEL_ENV, raising=False)
+    assert va.kernel_available("cuda")
+    monkeypatch.setenv(va.KERNEL_ENV, "0")
     assert not va.kernel_available("cuda")
     monkeypatch.setenv(va.KERNEL_ENV, "1")
     assert va.kernel_available("cuda")
+    monkeypatch.setattr(va, "load_kernel", lambda: None)  # an older torch
+    assert not va.kernel_available("cuda")
 
 
 # ---- parity: the kernel path against the segment loop and transformers' mask ------------------------------------
@@ -241,11 +245,55 @@ def test_a_varlen_attn_without_enable_gqa_gets_repeated_kv_heads(monkeypatch):
     assert va.takes_keyword(reference_varlen_attn, "enable_gqa") and va.takes_keyword(lambda **kw: 0, "enable_gqa")
     ids, pos = _packed()
     loop = _run(_model(va.NAME), ids, pos)
-    monkeypatch.setattr(va, "_KERNEL_TAKES_GQA", [False])
+    monkeypatch.setattr(va, "_KERNEL_GQA", ["repeat"])
     calls = _use_kernel(monkeypatch, varlen_attn_2_11)
     model = _model(va.NAME)
     got = _run(model, ids, pos, **va.varlen_inputs(model, pos, ids.shape[0], "cpu"))
     assert len(calls) == CFG["num_hidden_layers"]
+    _assert_same(got, loop)
+
+
+def _kernel_without_gqa_keyword(grouped: str, calls: list):
+    """A varlen_attn of torch 2.11's signature (no `enable_gqa`) given K and V of fewer heads: `grouped` "native"
+    computes GQA as flash attention does, "raises" refuses them, "wrong" maps query head i to kv head i % kv_heads."""
+    def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        calls.append((query.shape[1], key.shape[1]))
+        if key.shape[1] != query.shape[1] and grouped == "raises":
+            raise RuntimeError("Expect query and key/value to have the same number of heads")
+        if key.shape[1] != query.shape[1] and grouped == "wrong":
+            key, value = (t.repeat(1, query.shape[1] // key.shape[1], 1) for t in (key, value))
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                     window_size=window_size, enable_gqa=True)
+
+    return varlen_attn_2_11
+
+
+@pytest.mark.parametrize("grouped, mode", [("native", "native"), ("raises", "repeat"), ("wrong", "repeat")])
+def test_settle_gqa_tries_grouped_heads_once_and_keeps_what_agrees(monkeypatch, grouped, mode):
+    """A kernel without `enable_gqa` is tried once with K and V of fewer heads against the repeated call, forward
+    and backward: "native" only where it runs and agrees; a refusal or a wrong head mapping keeps the repeat."""
+    calls = []
+    monkeypatch.setattr(va, "_VARLEN_ATTN", [_kernel_without_gqa_keyword(grouped, calls)])
+    monkeypatch.setattr(va, "_KERNEL_GQA", ["unknown"])
+    assert va.settle_gqa("cpu") == mode
+    assert calls == [(4, 4), (4, 2)]  # the repeated call, then the grouped one
+    assert va.settle_gqa("cpu") == mode and len(calls) == 2  # decided once
+    monkeypatch.setattr(va, "_KERNEL_GQA", ["keyword"])
+    assert va.settle_gqa("cpu") == "keyword" and len(calls) == 2  # a kernel with enable_gqa is not tried
+
+
+def test_a_kernel_with_native_gqa_gets_the_fewer_kv_heads(monkeypatch):
+    """In "native" mode the model's layers hand the kernel K and V with the config's kv heads (no copies) and the
+    result is the segment loop's."""
+    ids, pos = _packed()
+    loop = _run(_model(va.NAME), ids, pos)
+    shapes = []
+    monkeypatch.setattr(va, "_KERNEL_GQA", ["native"])
+    _use_kernel(monkeypatch, _kernel_without_gqa_keyword("native", shapes))
+    model = _model(va.NAME)
+    got = _run(model, ids, pos, **va.varlen_inputs(model, pos, ids.shape[0], "cpu"))
+    assert shapes == [(CFG["num_attention_heads"], CFG["num_key_value_heads"])] * CFG["num_hidden_layers"]
     _assert_same(got, loop)
 
 
@@ -335,8 +383,8 @@ def _has_varlen_kernel() -> bool:
 def test_real_kernel_equals_the_segment_loop_on_the_gpu(monkeypatch):  # pragma: no cover - GPU only
     """bf16 on CUDA, head size 64, GQA: torch's flash varlen kernel against the segment loop (SDPA per segment).
     LAYOUT's 7 segments pad to 8: an empty segment and max lengths above the real ones go through flash too.
-    The kernel path is opt-in (va.KERNEL_ENV) until this test has passed on a GPU."""
-    monkeypatch.setenv(va.KERNEL_ENV, "1")
+    It passed on an H100 with torch 2.11 (bench/results/issue32/packed); the kernel path is the default since."""
+    monkeypatch.delenv(va.KERNEL_ENV, raising=False)
     cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     ids, pos = _packed()
     ids, pos = ids.cuda(), pos.cuda()

@@ -145,10 +145,21 @@ class OffloadManager:
         if stream is None:  # CPU: a plain copy stands in for the transfer
             ctx.restored = ctx.host.clone()
             return
+        # The GPU copy is allocated on the compute stream, where it is used and freed, and filled on the side
+        # stream. Allocated on the side stream (as before 2026-12-06), its block went back to the side stream's
+        # pool when freed: (1) the next prefetch could take it and overwrite it while the compute stream still read
+        # it (the caching allocator orders reuse within a stream only), and (2) the compute stream could not reuse
+        # it, so under a capped budget every layer's backward needed an allocator retry (31-32 per step measured,
+        # bench/results/issue33/rows). The side stream first waits for the compute stream's work so far: the block
+        # may be one that work still reads.
+        compute = torch.cuda.current_stream(ctx.device)
+        restored = torch.empty(ctx.host.shape, dtype=ctx.host.dtype, device=ctx.device)
+        stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            ctx.restored = ctx.host.to(ctx.device, non_blocking=True)
+            restored.copy_(ctx.host, non_blocking=True)
             ctx.ready = torch.cuda.Event()
             ctx.ready.record(stream)
+        ctx.restored = restored
 
     def host_copy(self, shape, dtype):
         """Where a checkpoint waits: (host tensor, its pool buffer), the pool made on first use."""

@@ -18,7 +18,7 @@ data, and traced they would recompile the layer for every new row layout (measur
 instead of about 17k, bench/results/peers/real_length.jsonl). The compiled layer is then two graphs, before and
 after attention.
 
-The kernel path (issue 32; opt-in with FITUNE_VARLEN_KERNEL=1 until verified on a GPU, see `KERNEL_ENV`): on a
+The kernel path (issue 32; on by default, FITUNE_VARLEN_KERNEL=0 turns it off, see `KERNEL_ENV`): on a
 CUDA device with torch's `varlen_attn` (torch >= 2.10, flash attention over
 packed tokens), a packed batch's attention is ONE call over all its rows, no Python loop and no graph break.
 Its segment bounds (`cu_seqlens`) are computed once per batch from the CPU position ids, outside the model
@@ -101,6 +101,7 @@ def varlen_inputs(model, position_ids: torch.Tensor | None, rows: int, device) -
     last_ids, last_key, last = _LAST_INPUTS
     if last_ids is position_ids and last_key == (position_ids._version, rows):
         return dict(last)
+    settle_gqa(device)  # before the first traced layer reads it
     length = int(position_ids.shape[-1])
     cu = packed_cu_seqlens(position_ids.reshape(-1, length).expand(rows, length))
     out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": length, "max_length_k": length}
@@ -119,10 +120,13 @@ def _attn_implementation(model) -> str | None:
 _VARLEN_ATTN: list = []
 """torch's `varlen_attn` once `load_kernel` found it (a module global: a traced layer reads it without importing)."""
 
-_KERNEL_TAKES_GQA: list = [True]
-"""Whether that `varlen_attn` takes `enable_gqa` (torch 2.13's does; torch 2.11's does not: "unexpected keyword
-argument 'enable_gqa'" on the GPU machine, bench/results/issue32/kernel). Without it, K and V are repeated to the
-query's heads before the call. Set once by `load_kernel`, read as a constant by a traced layer."""
+_KERNEL_GQA: list = ["keyword"]
+"""How that `varlen_attn` is given K and V with fewer heads than the query (grouped-query attention):
+"keyword": it takes `enable_gqa` (torch 2.13); "native": it has no such keyword (torch 2.11: "unexpected keyword
+argument 'enable_gqa'" on the GPU machine) but computes GQA from the fewer heads as flash attention does (checked
+once on the device, `settle_gqa`); "repeat": K and V are repeated to the query's heads before the call (their
+copies are saved for the backward: 2 x (heads - kv_heads) x head size bytes per token per layer more than the
+estimate counts); "unknown" until `settle_gqa` has run. Read as a constant by a traced layer."""
 
 
 def takes_keyword(fn, name: str) -> bool:
@@ -142,21 +146,57 @@ def load_kernel():
         except ImportError:
             varlen_attn = None
         _VARLEN_ATTN.append(varlen_attn)
-        _KERNEL_TAKES_GQA[0] = varlen_attn is None or takes_keyword(varlen_attn, "enable_gqa")
+        takes = varlen_attn is None or takes_keyword(varlen_attn, "enable_gqa")
+        _KERNEL_GQA[0] = "keyword" if takes else "unknown"
     return _VARLEN_ATTN[0]
 
 
+def settle_gqa(device) -> str:
+    """`_KERNEL_GQA` for the kernel on `device`, deciding "native" or "repeat" once where the kernel has no
+    `enable_gqa`: one small causal call with K and V of half the query's heads against the same call with them
+    repeated, forward and backward. "native" where both agree, else "repeat" (also where the call raises)."""
+    if _KERNEL_GQA[0] == "unknown" and _VARLEN_ATTN and _VARLEN_ATTN[0] is not None:
+        _KERNEL_GQA[0] = "native" if _native_gqa_agrees(_VARLEN_ATTN[0], device) else "repeat"
+    return _KERNEL_GQA[0]
+
+
+def _native_gqa_agrees(kernel, device) -> bool:
+    """Whether `kernel(q, k, v)` with 2 kv heads for 4 query heads equals the call with k and v repeated (query
+    head i reads kv head i // 2), in its output and its input gradients."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, d = 24, 64
+    q0, k0, v0 = (torch.randn(tokens, h, d, generator=gen) for h in (4, 2, 2))
+    weight = torch.randn(tokens, 4, d, generator=gen).to(device, torch.bfloat16)
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
+
+    def run(repeat: bool):
+        q, k, v = (t.to(device, torch.bfloat16).requires_grad_() for t in (q0, k0, v0))
+        kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v)) if repeat else (k, v)
+        with torch.enable_grad():
+            out = kernel(q, kk, vv, cu, cu, 15, 15, window_size=(-1, 0))
+            (out.float() * weight.float()).sum().backward()
+        return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+    want = run(repeat=True)
+    try:
+        got = run(repeat=False)
+    except Exception:  # noqa: BLE001 - any failure of the grouped call means: repeat K and V
+        return False
+    return all(torch.allclose(a, b, atol=2e-2, rtol=2e-2) for a, b in zip(got, want))
+
+
 KERNEL_ENV = "FITUNE_VARLEN_KERNEL"
-"""Set to 1 to use the kernel path. Off by default until it has trained as the segment loop does on a GPU (the
-`gpu` test of tests/test_varlen_kernel.py and bench/packed_attention.py): a faster attention that changed what is
-learned would be a bug. Its first GPU run (torch 2.11, bench/results/issue32/kernel) failed on `enable_gqa`, which
-that torch's kernel lacks; fixed (`_KERNEL_TAKES_GQA`), not yet run again."""
+"""Set to 0 to turn the kernel path off (the segment loop then runs on the GPU too). On by default since it ran on
+a GPU as the segment loop does (H100, torch 2.11): outputs and gradients equal to the loop's (largest difference 0)
+in bench/packed_attention.py, the `gpu` test of tests/test_varlen_kernel.py passed, and `fitune train` on the
+real-length workload had the loop's losses to the third decimal at 6x its speed
+(bench/results/issue32/packed)."""
 
 
 def kernel_available(device) -> bool:
-    """Whether the kernel path is turned on (`KERNEL_ENV`) and torch's `varlen_attn` can run on `device` (a CUDA
+    """Whether the kernel path is on (`KERNEL_ENV` not 0) and torch's `varlen_attn` can run on `device` (a CUDA
     device, torch >= 2.10)."""
-    return (os.environ.get(KERNEL_ENV) == "1" and torch.device(device).type == "cuda"
+    return (os.environ.get(KERNEL_ENV, "1") != "0" and torch.device(device).type == "cuda"
             and load_kernel() is not None)
 
 
@@ -196,9 +236,10 @@ def _kernel_forward(kernel, query, key, value, cu_q, cu_k, max_q: int, max_k: in
     k = key.transpose(1, 2).reshape(b * s, kv_heads, d)
     v = value.transpose(1, 2).reshape(b * s, kv_heads, d)
     gqa = {}
-    if kv_heads != heads and _KERNEL_TAKES_GQA[0]:
+    mode = _KERNEL_GQA[0]
+    if kv_heads != heads and mode == "keyword":
         gqa = {"enable_gqa": True}  # GQA without repeating K and V
-    elif kv_heads != heads:  # a varlen_attn without enable_gqa (torch 2.11): each kv head repeated for its group
+    elif kv_heads != heads and mode != "native":  # no GQA in this varlen_attn: each kv head repeated for its group
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head i reads kv head i // group
     out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **gqa)  # (-1, 0): causal
     return out.view(b, s, heads, d), None
