@@ -11,12 +11,23 @@ would pick:
   hf_trainer   transformers `Trainer` + PEFT; prompt + completion + eos tokenized per example (prompt labels -100),
                truncated at 2048, `DataCollatorForSeq2Seq` (pads each batch to its longest row, labels with -100),
                per_device_train_batch_size 4 (the tutorials' value; TrainingArguments' own default is 8),
-               gradient checkpointing on (non-reentrant)
+               gradient checkpointing on (non-reentrant; --grad-checkpointing off: none), --liger: Liger Kernel
+               (`use_liger_kernel=True`)
   trl_packing  TRL's `SFTTrainer` on the prompt/completion records (it tokenizes them, loss on the completion),
                `packing=True` (TRL 1.15's default strategy "bfd", best-fit decreasing), `padding_free=True` (implied
                by bfd packing: each batch is one flattened row with position ids, no padding), max_length 2048,
                per_device_train_batch_size 2, TRL's defaults otherwise (gradient checkpointing on); LoRA through
-               `peft_config`
+               `peft_config`. The peer's strongest setup is searched with --grad-checkpointing off, --liger
+               (`use_liger_kernel=True`: TRL 1.15 applies Liger's layer kernels, RMSNorm, SwiGLU and RoPE, and keeps
+               its own fused LM head) and --micro-batch / --grad-accum
+  unsloth_packing
+               Unsloth 2026.10.9 (`from unsloth import FastLanguageModel` first in the process, as
+               bench/peers/unsloth_run.py): `FastLanguageModel.from_pretrained(MODEL_DIR, max_seq_length 2048, bf16,
+               load_in_4bit=False)`, `get_peft_model(r 8, alpha 16, dropout 0, q_proj,v_proj,
+               use_gradient_checkpointing="unsloth" | False | True)` (--grad-checkpointing unsloth (default) | off |
+               on), then TRL's `SFTTrainer` (as Unsloth patches it) with `SFTConfig(packing=True, padding_free=True,
+               max_length 2048)` on the same prompt/completion records, micro-batch 2; under a cap the memory
+               queries answer as the capped card (peerlib.simulate_card_view; --no-card-view: not)
   fitune       `fitune plan MODEL_DIR --gpu CAP --data FILE --tokenizer MODEL_DIR --write plan.yaml` (its sequence
                length, packing, micro-batch and the rest as the plan says), then `fitune train plan.yaml` with
                max_steps and `cap:` set
@@ -27,10 +38,15 @@ tokens and the TRAINED tokens (labels != -100: completion tokens, less the first
 `*_tokens_per_s_total` divides the sums over those steps instead (steps differ in size here). For the HF stacks the
 counts come from a wrapper around the trainer's data collator (batches are collated in step order); for fitune from
 its metrics.jsonl (tokens, trained_tokens, step_time_s) and, for the padded tokens, from fitune's own batch stream
-rebuilt on the CPU with the run's seed (`stream_matches_metrics` checks it against metrics.jsonl). One JSON line
-per run appended to --out; any failure (out of memory: fits false) is a line with `error`.
+rebuilt on the CPU with the run's seed (`stream_matches_metrics` checks it against metrics.jsonl); fitune's record
+also carries the plan's own estimate (`fitune estimate --config plan.yaml --json`, after training):
+`estimate_allocated_bytes` / `estimate_reserved_bytes`. One JSON line per run appended to --out; any failure (out of
+memory: fits false; Unsloth not importable: fits null) is a line with `error`.
 
     PYTHONPATH=.:$PWD/.peers_site python3 bench/peers/real_length.py --stack trl_packing --model-dir DIR --out F
+    PYTHONPATH=.:$PWD/.peers_site python3 bench/peers/real_length.py --stack trl_packing --grad-checkpointing off \
+        --liger --micro-batch 1 --grad-accum 2 --model-dir DIR --out F
+    PYTHONPATH=.:$PWD/.peers_site python3 bench/peers/real_length.py --stack unsloth_packing --model-dir DIR --out F
     python3 bench/peers/real_length.py --stack hf_trainer --model-dir TINY --out F --device cpu --cap '' --steps 4
 """
 
@@ -50,11 +66,16 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
 from bench.common import PROBE_ENV, probed_fitune_cmd, training_facts  # noqa: E402
-from bench.peers.peerlib import (StepClock, record_whatever_happens, reset_peaks, start_cuda,  # noqa: E402
-                                 trainer_callback, write_length_data)
+from bench.peers.peerlib import (StepClock, record_whatever_happens, reset_peaks, simulate_card_view,  # noqa: E402
+                                 start_cuda, trainer_callback, write_length_data)
 
-STACKS = ("hf_trainer", "trl_packing", "fitune")
-MICRO_BATCH = {"hf_trainer": 4, "trl_packing": 2}
+STACKS = ("hf_trainer", "trl_packing", "unsloth_packing", "fitune")
+MICRO_BATCH = {"hf_trainer": 4, "trl_packing": 2, "unsloth_packing": 2}
+#: --grad-checkpointing's default per stack (TRL's SFTConfig defaults it on; Unsloth's notebooks pass "unsloth")
+GRAD_CHECKPOINTING = {"hf_trainer": "on", "trl_packing": "on", "unsloth_packing": "unsloth"}
+#: get_peft_model's use_gradient_checkpointing for each --grad-checkpointing value
+UNSLOTH_GC = {"unsloth": "unsloth", "off": False, "on": True}
+LOOPS = {"hf_trainer": "Trainer", "trl_packing": "SFTTrainer", "unsloth_packing": "Unsloth SFTTrainer"}
 TARGETS = ["q_proj", "v_proj"]
 
 
@@ -66,8 +87,16 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (rates: steps 3 and later)")
     p.add_argument("--cap", default="rtx4090", help="allocator budget (cuda only; fitune plan's --gpu); '' for none")
     p.add_argument("--device", default="cuda", help="cuda | cpu (cpu: tiny models, to test the script)")
-    p.add_argument("--micro-batch", type=int, help="hf_trainer 4, trl_packing 2 (fitune: the plan's)")
-    p.add_argument("--grad-accum", type=int, default=1, help="hf_trainer / trl_packing (fitune: the plan's)")
+    p.add_argument("--micro-batch", type=int, help="hf_trainer 4, trl_packing 2, unsloth_packing 2 (fitune: the "
+                                                    "plan's)")
+    p.add_argument("--grad-accum", type=int, default=1, help="hf_trainer / trl_packing / unsloth_packing (fitune: "
+                                                             "the plan's)")
+    p.add_argument("--grad-checkpointing", choices=("on", "off", "unsloth"),
+                   help="hf_trainer / trl_packing: on (default) | off; unsloth_packing: unsloth (default) | off | on "
+                        "(get_peft_model's use_gradient_checkpointing \"unsloth\" / False / True); fitune: the plan's")
+    p.add_argument("--liger", action="store_true", help="hf_trainer / trl_packing: use_liger_kernel=True")
+    p.add_argument("--no-card-view", action="store_true",
+                   help="unsloth_packing: leave torch.cuda.mem_get_info / total_memory as the card reports them")
     p.add_argument("--max-length", type=int, default=2048, help="truncation (hf_trainer) / packed length (TRL)")
     p.add_argument("--examples", type=int, default=2000, help="records of the shared data file")
     p.add_argument("--seed", type=int, default=0, help="seed of the data (the trainers' seed is 0)")
@@ -79,6 +108,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.micro_batch is None:
         args.micro_batch = MICRO_BATCH.get(args.stack)
+    if args.stack == "fitune" and (args.grad_checkpointing or args.liger):
+        p.error("--grad-checkpointing / --liger: fitune's come from its plan (--plan-args)")
+    if args.liger and args.stack == "unsloth_packing":
+        p.error("--liger: hf_trainer / trl_packing only (Unsloth brings its own kernels)")
+    if args.grad_checkpointing == "unsloth" and args.stack != "unsloth_packing":
+        p.error("--grad-checkpointing unsloth: unsloth_packing only (the others: on | off)")
+    if args.stack != "fitune" and args.grad_checkpointing is None:
+        args.grad_checkpointing = GRAD_CHECKPOINTING[args.stack]
     return args
 
 
@@ -220,16 +257,18 @@ def hf_trainer_body(args):
             features.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
         model = get_peft_model(_load_model(args), _lora_config())
         collator = tally.collator(DataCollatorForSeq2Seq(tok, padding="longest", label_pad_token_id=-100))
+        gc = args.grad_checkpointing == "on"
         targs = TrainingArguments(
-            output_dir=os.path.join(args.work, "hf_trainer_out"), gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False,
-            **_common_training_args(args))
+            output_dir=os.path.join(args.work, "hf_trainer_out"), gradient_checkpointing=gc,
+            gradient_checkpointing_kwargs={"use_reentrant": False} if gc else None, remove_unused_columns=False,
+            use_liger_kernel=args.liger, **_common_training_args(args))
         trainer = Trainer(model=model, args=targs, train_dataset=features, data_collator=collator,
                           callbacks=[trainer_callback(tally.clock)])
         rec["load_s"] = round(time.perf_counter() - t0, 2)
         rec["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        rec["setup"] = {"collator": "DataCollatorForSeq2Seq(padding='longest')", "gradient_checkpointing": True,
-                        "truncation": args.max_length}
+        rec["setup"] = {"collator": "DataCollatorForSeq2Seq(padding='longest')",
+                        "gradient_checkpointing": targs.gradient_checkpointing,
+                        "use_liger_kernel": targs.use_liger_kernel, "truncation": args.max_length}
         rec["_retries0"] = reset_peaks(args.device)
         trainer.train()
 
@@ -246,7 +285,8 @@ def trl_packing_body(args):
         tok = AutoTokenizer.from_pretrained(args.model_dir)
         dataset = Dataset.from_list(_records(data))
         config = SFTConfig(output_dir=os.path.join(args.work, "trl_out"), max_length=args.max_length, packing=True,
-                           padding_free=True, **_common_training_args(args))
+                           padding_free=True, gradient_checkpointing=args.grad_checkpointing == "on",
+                           use_liger_kernel=args.liger, **_common_training_args(args))
         trainer = SFTTrainer(model=_load_model(args), args=config, train_dataset=dataset, processing_class=tok,
                              peft_config=_lora_config(), callbacks=[trainer_callback(tally.clock)])
         trainer.data_collator = tally.collator(trainer.data_collator)  # TRL refuses a custom one with padding-free
@@ -258,12 +298,109 @@ def trl_packing_body(args):
                         "completion_only_loss": getattr(trainer, "completion_only_loss", None),
                         "gradient_checkpointing": config.gradient_checkpointing,
                         "gradient_checkpointing_kwargs": config.gradient_checkpointing_kwargs,
+                        "use_liger_kernel": config.use_liger_kernel,
+                        "liger_kernel_config": getattr(config, "liger_kernel_config", None),
                         "attn_implementation": getattr(model.config, "_attn_implementation", None),
                         "packed_rows": len(trainer.train_dataset)}
         rec["_retries0"] = reset_peaks(args.device)
         trainer.train()
 
     return body
+
+
+def _unsloth_attention() -> dict:
+    """Which attention Unsloth's Llama forward runs on packed rows here (unsloth/utils/attention_dispatch.py's
+    `select_attention_backend(use_varlen=True)`: flash_varlen with flash-attn installed, else xformers, else sdpa,
+    whose packed route is torch's varlen kernel where it loaded, else SDPA per segment)."""
+    out: dict = {}
+    try:
+        from unsloth.utils import attention_dispatch as ad
+
+        out["packed_attention_backend"] = ad.select_attention_backend(use_varlen=True)
+        out["torch_varlen_attn"] = getattr(ad, "_TORCH_VARLEN_ATTN", None) is not None
+        out["has_flash_attention"] = getattr(ad, "HAS_FLASH_ATTENTION", None)
+        out["has_xformers"] = getattr(ad, "HAS_XFORMERS", None)
+    except Exception as e:  # noqa: BLE001 - notes only
+        out["attention_dispatch_error"] = repr(e)[:300]
+    return out
+
+
+def unsloth_packing_body(args):
+    def body(rec, tally, data):
+        # before unsloth, which patches transformers, peft and trl when it is imported: none of them yet
+        rec["imported_before_unsloth"] = sorted(m for m in ("transformers", "peft", "trl", "datasets")
+                                                if m in sys.modules)
+        if args.device == "cuda" and not args.no_card_view:
+            rec["card_view"] = simulate_card_view(args.cap)
+        from unsloth import FastLanguageModel  # first: it patches transformers, peft and trl
+
+        import torch
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        t0 = time.perf_counter()
+        gc = UNSLOTH_GC[args.grad_checkpointing]
+        model, tok = FastLanguageModel.from_pretrained(
+            model_name=args.model_dir, max_seq_length=args.max_length, dtype=torch.bfloat16, load_in_4bit=False,
+            use_gradient_checkpointing=gc)  # as unsloth_run.py: from_pretrained applies (or undoes) the patch too
+        model = FastLanguageModel.get_peft_model(
+            model, r=8, target_modules=list(TARGETS), lora_alpha=16, lora_dropout=0, bias="none",
+            use_gradient_checkpointing=gc, random_state=0)
+        records = _records(data)
+        dataset = Dataset.from_list(records)
+        # TRL's configs default gradient_checkpointing to True; Unsloth's patched trainer turns that default off
+        # for a model loaded with False, plain TRL does not: say it for "off" (as unsloth_run.py)
+        off = {"gradient_checkpointing": False} if gc is False else {}
+        config = SFTConfig(**off, output_dir=os.path.join(args.work, "unsloth_out"), max_length=args.max_length,
+                           packing=True, padding_free=True, dataset_num_proc=1, **_common_training_args(args))
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                             callbacks=[trainer_callback(tally.clock)])
+        targs, collator = trainer.args, trainer.data_collator
+        rec["load_s"] = round(time.perf_counter() - t0, 2)
+        rec["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        rec["setup"] = {
+            "packing": getattr(targs, "packing", None), "packing_strategy": getattr(targs, "packing_strategy", None),
+            "padding_free": getattr(trainer, "padding_free", getattr(targs, "padding_free", None)),
+            "args_padding_free": getattr(targs, "padding_free", None),
+            "completion_only_loss": getattr(trainer, "completion_only_loss", None),
+            "gradient_checkpointing": args.grad_checkpointing, "use_gradient_checkpointing": repr(gc),
+            "model_gradient_checkpointing": repr(getattr(model, "_unsloth_gradient_checkpointing", None)),
+            "args_gradient_checkpointing": getattr(targs, "gradient_checkpointing", None),
+            "use_liger_kernel": getattr(targs, "use_liger_kernel", None),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None), **_unsloth_attention(),
+            "collator": f"{type(collator).__module__}.{type(collator).__name__}",
+            "unsloth_packing_collator": bool(getattr(collator, "_unsloth_packing_wrapped", False)),
+            "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",
+            "records": len(records), "packed_rows": len(trainer.train_dataset),
+            "train_columns": list(getattr(trainer.train_dataset, "column_names", None) or [])}
+        # after Unsloth wrapped the collator's torch_call (packed_seq_lengths); TRL refuses a custom one
+        trainer.data_collator = tally.collator(collator)
+        rec["_retries0"] = reset_peaks(args.device)
+        trainer.train()
+
+    return body
+
+
+def fitune_estimate(fitune: list[str], plan_path: str, gpu: str, env: dict) -> dict:
+    """`fitune estimate --config plan.yaml --gpu GPU --json`'s peaks (the plan's own estimate of the run); never
+    raises: None and `estimate_error` saying why."""
+    out = {"estimate_allocated_bytes": None, "estimate_reserved_bytes": None}
+    try:
+        proc = subprocess.run(fitune + ["estimate", "--config", plan_path, "--gpu", gpu, "--json"],
+                              capture_output=True, text=True, env=env, timeout=180)
+        out["estimate_exit"] = proc.returncode
+        answer = json.loads(proc.stdout) if proc.stdout.strip() else None
+        if not isinstance(answer, dict):
+            raise RuntimeError(f"no JSON answer (exit {proc.returncode}): {_tail(proc)[-600:]}")
+        out["estimate_allocated_bytes"] = answer.get("peak_allocated_bytes")
+        out["estimate_reserved_bytes"] = answer.get("peak_reserved_bytes")
+        out["estimate_fits"] = answer.get("fits")
+        if out["estimate_allocated_bytes"] is None or out["estimate_reserved_bytes"] is None:
+            out["estimate_error"] = f"the answer lacks peak_allocated_bytes / peak_reserved_bytes (exit " \
+                                    f"{proc.returncode})"
+    except Exception as e:  # noqa: BLE001 - a note beside the measurement, never its failure
+        out["estimate_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    return out
 
 
 def fitune_steps_from_stream(cfg: dict, steps: int) -> list[dict]:
@@ -353,6 +490,7 @@ def fitune_body(args):
             rec["peak_allocated_bytes"] = max(m["peak_allocated_bytes"] for m in peaks)
             rec["peak_reserved_bytes"] = max(m["peak_reserved_bytes"] for m in peaks)
         rec["oom_guard_replans"] = proc.stderr.count("fitune: out of memory at step")
+        rec.update(fitune_estimate(fitune, plan_path, args.cap or "rtx4090", env))  # on the CPU, after the run
         if proc.returncode != 0:
             raise RuntimeError(f"fitune train exit {proc.returncode}: {_tail(proc)}")
 
@@ -364,9 +502,14 @@ def main(argv=None) -> int:
     if args.stack == "fitune":
         run_varlen_case("fitune", args, fitune_body(args), in_process=False, loop="fitune train")
         return 0
-    start_cuda(args)  # before any CUDA allocation of this process
-    body = hf_trainer_body(args) if args.stack == "hf_trainer" else trl_packing_body(args)
-    run_varlen_case(args.stack, args, body, loop="Trainer" if args.stack == "hf_trainer" else "SFTTrainer")
+    if args.stack == "unsloth_packing":  # as unsloth_run.py, before anything reads them
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):
+            os.environ.setdefault(key, "1")
+    start_cuda(args)  # before any CUDA allocation of this process (imports torch, not transformers)
+    body = {"hf_trainer": hf_trainer_body, "trl_packing": trl_packing_body,
+            "unsloth_packing": unsloth_packing_body}[args.stack](args)
+    run_varlen_case(args.stack, args, body, loop=LOOPS[args.stack], grad_checkpointing=args.grad_checkpointing,
+                    liger=args.liger)
     return 0
 
 
