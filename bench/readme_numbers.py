@@ -27,6 +27,7 @@ STACK_NAMES = {
     "hf_loop_liger": "plain PyTorch loop + Liger",
     "unsloth": "Unsloth",
     "trl_packing": "TRL `SFTTrainer`, packing",
+    "unsloth_packing": "Unsloth `SFTTrainer`, packing",
 }
 SEEDS = "Llama-3.1-8B LoRA r8 q,v, 2 x 2048 tokens a step, 24 GB cap: tokens/s"
 CONTEXT = "QLoRA r32 all-linear, longest context that trains two steps"
@@ -92,29 +93,44 @@ def hf_liger_by_call(root: str) -> list[float]:
     return [_strongest([r for r in _lines(root, PEERS, *f) if "liger" in r["stack"]])["tokens_per_s"] for f in files]
 
 
+REAL_LENGTH_CALL = os.path.join("bench", "results", "issue32", "real")
+"""The real-length call with every stack at its strongest setup searched (issue 32): fitune as planned, TRL's packed
+`SFTTrainer` and Unsloth's, each with and without checkpointing."""
+
+
+def _setup_words(rec: dict) -> str:
+    """A peer's searched setup in words: checkpointing, Liger, micro-batch x accumulation."""
+    gc = {"on": "checkpointing", "off": "no checkpointing", "unsloth": "Unsloth's checkpointing"}[rec["grad_checkpointing"]]
+    liger = ", Liger" if rec.get("liger") else ""
+    return f"{gc}{liger}, micro-batch {rec['micro_batch_size']} x {rec['grad_accum']}"
+
+
 def real_length_rows(root: str) -> list[Row]:
-    """Real-length data: call 1 ran every stack (fitune's first line is that call's); the latest fitune call
-    (real_length3/) ran fitune alone, so its row names the strongest peer measured in any call, and says so."""
-    first = _lines(root, PEERS, "real_length.jsonl")
-    fitune1 = next(r for r in first if r["stack"] == "fitune" and r["fits"])["trained_tokens_per_s"]
-    peer = _strongest([r for r in first if r["stack"] != "fitune"], "trained_tokens_per_s")
-    last = _lines(root, PEERS, "real_length3", "real_length.jsonl")[0]
-    latest = last["trained_tokens_per_s"]
-    real = f"real-length data ({_n(last['data']['examples'])} examples), same LoRA and cap: trained tokens/s"
-    peer_s = peer["trained_tokens_per_s"]
-    return [
-        Row(f"{real} (call 1, before the packing rule)", _n(fitune1), f"{STACK_NAMES[peer['stack']]} {_n(peer_s)}",
-            _vs(fitune1, peer_s), _link(PEERS)),
-        Row(f"{real} (latest call: fitune alone)", _n(latest),
-            f"none in this call; {STACK_NAMES[peer['stack']]} made {_n(peer_s)} in call 1", _vs(latest, peer_s),
-            _link(f"{PEERS}/real_length3")),
-    ]
+    """Real-length data (issue 32's call): fitune's median over its runs in the call against the strongest peer
+    setup that fit in the same call; the cell names each peer stack's best."""
+    recs = _lines(root, REAL_LENGTH_CALL, "real_length.jsonl")
+    mine = [r["trained_tokens_per_s"] for r in recs if r["stack"] == "fitune" and r["fits"]]
+    fitune = statistics.median(mine)
+    peers = [r for r in recs if r["stack"] != "fitune"]
+    best = _strongest(peers, "trained_tokens_per_s")
+    others = []
+    for stack in sorted({r["stack"] for r in peers} - {best["stack"]}):
+        top = _strongest([r for r in peers if r["stack"] == stack], "trained_tokens_per_s")
+        others.append(f"{STACK_NAMES[stack]} at best {_n(top['trained_tokens_per_s'])}")
+    label = _call_label("issue 32", recs[0])
+    real = f"real-length data ({_n(recs[0]['data']['examples'])} examples), LoRA r8 q,v, 24 GB cap: trained tokens/s"
+    runs = ", ".join(_n(x) for x in mine)
+    peer = (f"{STACK_NAMES[best['stack']]} ({_setup_words(best)}) {_n(best['trained_tokens_per_s'])}: the fastest of "
+            f"{len(peers)} peer setups, {sum(1 for r in peers if r['fits'])} of which fit; " + "; ".join(others))
+    return [Row(f"{real} ({label})", f"**{_n(fitune)}** (median of {len(mine)} runs: {runs})", peer,
+                _vs(fitune, best["trained_tokens_per_s"]), _link(REAL_LENGTH_CALL))]
 
 
-CONTEXT_CALLS = (("issue 33", os.path.join("bench", "results", "issue33", "context_pool")),
+CONTEXT_CALLS = (("issue 33", os.path.join("bench", "results", "issue33", "retries", "lanes")),
+                 ("issue 33", os.path.join("bench", "results", "issue33", "context_pool")),
                  ("call 2", os.path.join(PEERS, "context_per_card", "call2")),
                  ("call 1", os.path.join(PEERS, "context_per_card", "call1")))
-"""The context records, newest first: the call on today's code (fitune and Unsloth side by side, issue 33), then
+"""The context records, newest first: the two calls on today's code (fitune and Unsloth side by side, issue 33), then
 the two calls of issue 14."""
 
 
@@ -135,12 +151,23 @@ def _call_label(call: str, rec: dict) -> str:
 
 
 def _newest_call(probes: list[dict], stack: str) -> list[dict]:
-    """The probes of `stack` from the newest call that has any."""
-    for call, _ in CONTEXT_CALLS:
-        mine = [r for r in probes if r["stack"] == stack and r["call"] == call]
+    """The probes of `stack` from the newest call (folder) that has any."""
+    for _, folder in CONTEXT_CALLS:
+        mine = [r for r in probes if r["stack"] == stack and r["folder"] == folder]
         if mine:
             return mine
     return []
+
+
+def _newest_shared_call(at_cap: list[dict]) -> list[dict]:
+    """The probes at one cap of the newest call where fitune fit and Unsloth ran too (same call); else those of
+    fitune's newest call."""
+    for _, folder in CONTEXT_CALLS:
+        here = [r for r in at_cap if r["folder"] == folder]
+        if any(r["stack"] == "fitune" and r.get("fits") is True for r in here) and any(
+                r["stack"] == "unsloth" for r in here):
+            return here
+    return at_cap
 
 
 def context_rows(root: str) -> list[Row]:
@@ -149,10 +176,10 @@ def context_rows(root: str) -> list[Row]:
     that ran it; where the two stacks' newest calls differ, the row says so."""
     rows, probes = [], _probes(root)
     for card, cap in CARDS:
-        at_cap = [r for r in probes if r["cap"] == cap]
+        at_cap = _newest_shared_call([r for r in probes if r["cap"] == cap])
         mine = [r for r in _newest_call([r for r in at_cap if r.get("fits") is True], "fitune")]
         best = max(mine, key=lambda r: r["seq_len_tokens"])
-        peer_call = [r for r in at_cap if r["stack"] == "unsloth" and r["call"] == best["call"]]
+        peer_call = [r for r in at_cap if r["stack"] == "unsloth" and r["folder"] == best["folder"]]
         alone = not peer_call
         peer_call = peer_call or _newest_call(at_cap, "unsloth")
         u_fit = [r["seq_len_tokens"] for r in peer_call if r.get("fits") is True]
@@ -223,7 +250,7 @@ def host_ram_note(root: str) -> str:
             f"stayed cached. {today_context_note(root)} `fitune plan` holds plans to the host RAM (this machine's, else "
             f"64 GiB assumed): [docs/phases.md](docs/phases.md). Records: {_link('bench/results/issue5/call4')}, "
             f"{_link('bench/results/issue33/context')}, {_link('bench/results/issue33/context_pool')}, "
-            f"{_link('bench/results/issue33/rows')}.")
+            f"{_link('bench/results/issue33/rows')}, {_link('bench/results/issue33/retries')}.")
 
 
 def today_context_note(root: str) -> str:
@@ -259,12 +286,21 @@ def host_32_note(root: str) -> str:
     longest = {(r["method"], r["host_ram"]): r["plan_longest_tokens"]
                for r in _lines(root, "bench", "results", "issue33", "context", "plan_longest.jsonl")}
     retries = sorted({n for r in rows.values() for n in r["alloc_retries_per_step"]})
+    later = [r for r in _lines(root, "bench", "results", "issue33", "retries", "lanes", "max_context.jsonl")
+             if r.get("probe") and r["stack"] == "fitune"]
+    (q32,) = [r for r in later if r.get("plan_host_ram") == "32GiB"]
+    assert q32["seq_len_tokens"] == longest[("qlora", "32GiB")] and q32["fits"], q32
+    later_retries = sorted(n for r in later for n in r["alloc_retries_per_step"])
     return (f"With 32 GiB of host RAM (commit {q['provenance']['commit'][:7]}): QLoRA {_n(q['seq_len_tokens'])} tokens "
             f"trained within the card and peaked at {q['host_peak_rss_bytes'] / gib:.1f} GiB of host RAM while "
             f"saving, over the 32 GiB its plan was held to by the training step alone; `fitune plan` now counts the "
-            f"save too, and its longest is {_n(longest[('qlora', '32GiB')])} (not yet run on the GPU). bf16 LoRA: "
-            f"{_n(lo['seq_len_tokens'])} tokens, host peak {lo['host_peak_rss_bytes'] / gib:.1f} GiB. Both runs needed "
-            f"{retries[0]} to {retries[-1]} allocator retries in every step, which their plans did not expect.")
+            f"save too, and its longest, {_n(q32['seq_len_tokens'])}, trained within the card and peaked at "
+            f"{q32['host_peak_rss_bytes'] / gib:.1f} GiB (estimated {q32['est_host_peak_bytes'] / gib:.1f}; commit "
+            f"{q32['provenance']['commit'][:7]}). bf16 LoRA: {_n(lo['seq_len_tokens'])} tokens, host peak "
+            f"{lo['host_peak_rss_bytes'] / gib:.1f} GiB. Both runs of commit {q['provenance']['commit'][:7]} needed "
+            f"{retries[0]} to {retries[-1]} allocator retries in every step, and the {len(later)} offloaded runs of "
+            f"commit {q32['provenance']['commit'][:7]} {later_retries[0]} to {later_retries[-1]} a step, which their "
+            f"plans did not expect (issue 33's open goal).")
 
 
 def torch_minor_of(root: str) -> str:
