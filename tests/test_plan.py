@@ -648,6 +648,25 @@ def test_compiled_layers_by_default_once_triton_is_installed(capsys, monkeypatch
     assert out.index("enable_lean_lora(model)") < out.index("enable_compiled_layers(model)")
 
 
+def test_compile_layers_asked_for_leaves_out_the_liger_picked_by_default(capsys, monkeypatch):
+    """`--compile layers` typed where liger-kernel is installed: Liger was only the default, so the plan compiles
+    and says so, instead of refusing a `--kernels liger` the user never typed (found on the GPU machine,
+    bench/results/issue32/packed); `--kernels liger` typed with it is still refused."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--json",
+            "--compile", "layers"]
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    rc, out, _ = _run(args, capsys)
+    doc = json.loads(out)
+    assert rc == 0 and {p["setup"]["kernels"] for p in doc["plans"]} == {"torch"}
+    assert any("fuses what Liger's kernels fuse" in n for n in doc["notes"])
+    rc, _, err = _run(args + ["--kernels", "liger"], capsys)
+    assert rc == 2 and "choose one" in err
+
+
 def test_pick_writes_the_plan_asked_for(tmp_path, capsys):
     """`--write plan.yaml --pick N`: plan N of the list (what the GPU ranking check trains, one plan at a time)."""
     import yaml

@@ -47,6 +47,9 @@ def default_compile(kept: TrainSetup, model: ModelSpec, kernels: str, compile_gi
     installed on an architecture where they were measured (faster than Liger there: Llama-3.1-8B 1 x 2 x 2048
     without checkpointing 17.4k vs 15.3k tokens/s, docs/speed.md). Liger and the lean RMSNorm are then left out
     (the compiled layer fuses the same operations)."""
+    if compile_given and kept.compile != "none" and not kernels_given and kernels != "torch":
+        # --compile layers asked for, Liger only picked by default: the compiled layer fuses what Liger would
+        return kept.compile, "torch", [f"kernels: torch (--compile {kept.compile} fuses what Liger's kernels fuse)"]
     if compile_given or kept.keep_outputs:
         return kept.compile, kernels, []
     if kernels_given:
