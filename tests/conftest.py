@@ -34,3 +34,21 @@ def real_model_dir() -> str:
     from tests.real_model import model_folder
 
     return model_folder()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Llama folder of random weights and bench/peers/make_model.py's word-level tokenizer, written on the
+    CPU: the peer scripts' tests (tests/test_peers_more.py, tests/test_real_length_stacks.py) run on it."""
+    import subprocess
+
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    folder = tmp_path_factory.mktemp("peers") / "tiny"
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "bench/peers/make_model.py", "--out", str(folder), "--device", "cpu", "--layers", "2",
+         "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "8192", "--rows",
+         "8", "--seq-len", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return folder

@@ -36,18 +36,6 @@ def _lines(path):
     return [json.loads(x) for x in open(path).read().splitlines() if x.strip()]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    folder = tmp_path_factory.mktemp("peers_more") / "tiny"
-    proc = _py(["bench/peers/make_model.py", "--out", str(folder), "--device", "cpu", "--layers", "2", "--hidden",
-                "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "8192", "--rows", "8",
-                "--seq-len", "64"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return folder
-
-
 # ---- the length distribution -------------------------------------------------------------------------------
 
 def test_length_distribution_has_its_documented_percentiles():

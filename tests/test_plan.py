@@ -600,18 +600,23 @@ def test_plans_say_which_options_no_measurement_backs():
                                                 "stack hf) not measured on a GPU yet"]
 
 
+def _pretend_installed(monkeypatch, *packages: str) -> None:
+    """importlib's find_spec answers that `packages` are installed (found, never imported: the plan only asks)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in packages else real(name, *a))
+
+
 def test_liger_is_used_by_default_once_it_is_installed(capsys, monkeypatch):
     """Issue 14's "fast by default": with liger-kernel installed (found, not imported) the plan for a measured
     architecture uses its kernels and says so; `--kernels torch` leaves them out; without it nothing changes."""
-    import importlib.util
     import json
 
-    real = importlib.util.find_spec
     args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--json"]
     rc, out, _ = _run(args, capsys)
     assert rc == 0 and {p["setup"]["kernels"] for p in json.loads(out)["plans"]} == {"torch"}
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    _pretend_installed(monkeypatch, "liger_kernel")
     rc, out, _ = _run(args, capsys)
     doc = json.loads(out)
     assert rc == 0 and {p["setup"]["kernels"] for p in doc["plans"]} == {"liger"}
@@ -626,12 +631,8 @@ def test_compiled_layers_by_default_once_triton_is_installed(capsys, monkeypatch
     """With Triton installed (CUDA builds of PyTorch bring it) the plan for a measured architecture compiles each
     decoder layer instead of using Liger, says so, and emits the call for the user's own script; `--compile none`
     and `--kernels liger` opt out."""
-    import importlib.util
-
-    real = importlib.util.find_spec
     args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--json"]
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name in ("triton", "liger_kernel") else real(name, *a))
+    _pretend_installed(monkeypatch, "triton", "liger_kernel")
     rc, out, _ = _run(args, capsys)
     doc = json.loads(out)
     no_offload = [p["setup"] for p in doc["plans"] if p["setup"]["grad_checkpointing"] != "offload"]
@@ -652,13 +653,9 @@ def test_compile_layers_asked_for_leaves_out_the_liger_picked_by_default(capsys,
     """`--compile layers` typed where liger-kernel is installed: Liger was only the default, so the plan compiles
     and says so, instead of refusing a `--kernels liger` the user never typed (found on the GPU machine,
     bench/results/issue32/packed); `--kernels liger` typed with it is still refused."""
-    import importlib.util
-
-    real = importlib.util.find_spec
     args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--json",
             "--compile", "layers"]
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    _pretend_installed(monkeypatch, "liger_kernel")
     rc, out, _ = _run(args, capsys)
     doc = json.loads(out)
     assert rc == 0 and {p["setup"]["kernels"] for p in doc["plans"]} == {"torch"}

@@ -40,18 +40,6 @@ def _run(stack, model, tmp_path, *flags, pythonpath=ROOT, examples=64):
     return rec
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    folder = tmp_path_factory.mktemp("real_length_stacks") / "tiny"
-    proc = _py(["bench/peers/make_model.py", "--out", str(folder), "--device", "cpu", "--layers", "2", "--hidden",
-                "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "8192", "--rows", "8",
-                "--seq-len", "64"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return folder
-
-
 def test_stack_flags_defaults_and_refusals():
     rl = _load()
     common = ["--model-dir", "m", "--out", "o"]
