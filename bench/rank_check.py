@@ -4,6 +4,7 @@ synthetic data). Does the measured order follow the predicted one; is plan 1 the
 
     export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
     python3 bench/rank_check.py --out $OUT --workload seeds --steps 12
+    python3 bench/rank_check.py --out $OUT --workload qlora_seeds --steps 12 --plans 1   # a call's: plan 1 only
 
 One JSON line per plan in --out/rank_check.jsonl: the workload, the plan's number, its setup and predicted tokens/s,
 and the run's median tokens/s over steps 3 and later, its peaks and exit code.
@@ -32,6 +33,18 @@ WORKLOADS = {
                  "--lora-rank", "32", "--lora-targets", "all-linear"],
     "full1b": ["llama-3.2-1b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "full"],
 }
+"""Issue 12's ranking check: the workloads of bench/results/rank_check/ (tests/test_rank_check.py holds the planner
+to their record)."""
+
+CALL_WORKLOADS = {
+    # issue 32: the seeds' tokens as QLoRA r16 on every linear layer, fitune's plan 1 against Unsloth's QLoRA
+    # (bench/calls/issue32_unsloth.sh)
+    "qlora_seeds": ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "qlora",
+                    "--lora-rank", "16", "--lora-targets", "all-linear"],
+}
+"""Workloads other calls train along the same path (`--workload NAME --plans 1`), outside issue 12's record."""
+
+ALL_WORKLOADS = {**WORKLOADS, **CALL_WORKLOADS}
 
 
 def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str) -> tuple[str, dict]:
@@ -39,7 +52,7 @@ def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str)
     own keys set in that file (random weights, a synthetic chat data set and word tokenizer made in `work`, the
     steps, the card's cap). Returns the file's path and its content."""
     os.makedirs(work, exist_ok=True)
-    plan_args = WORKLOADS[workload] + ["--top", "3"]
+    plan_args = ALL_WORKLOADS[workload] + ["--top", "3"]
     model = plan_args[0]
     seq = int(plan_args[plan_args.index("--seq-len") + 1])
     words = synthetic_words(4000)
@@ -60,14 +73,15 @@ def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str)
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--workload", default="seeds", choices=sorted(WORKLOADS))
+    p.add_argument("--workload", default="seeds", choices=sorted(ALL_WORKLOADS))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--cap", default="rtx4090")
     p.add_argument("--timeout", type=float, default=240)
-    p.add_argument("--plans", type=int, default=3, help="train the first N of the top 3 plans")
+    p.add_argument("--plans", type=int, default=3, choices=(1, 2, 3),
+                   help="train the first N of the top 3 plans (1: plan 1 only)")
     args = p.parse_args()
     work = os.path.join(args.out, "work", args.workload)
-    plan_args = WORKLOADS[args.workload] + ["--top", "3"]
+    plan_args = ALL_WORKLOADS[args.workload] + ["--top", "3"]
     fitune = [sys.executable, "-m", "fitune"]
     listing = subprocess.run(fitune + ["plan", *plan_args, "--json"], capture_output=True, text=True)
     plans = json.loads(listing.stdout)["plans"] if listing.stdout.strip() else []
