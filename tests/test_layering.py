@@ -285,7 +285,8 @@ ALLOWED = {
     ("bench/peers/hf_trainer.py", "body"),
     ("bench/peers/hf_loop.py", "body"),
     ("bench/peers/real_length.py", "_load_model"),
-    ("bench/peers/unsloth_run.py", "plain_loop"),  # issue 32: Unsloth's model in a plain loop, as its users write one
+    ("bench/peers/peerlib.py", "plain_loop"),  # the loop people write, shared by hf_loop.py and unsloth_run.py
+    ("bench/peers/unsloth_run.py", "unsloth_plain_loop"),  # issue 32: Unsloth's model in that loop, fused AdamW
     # one decoder layer's forward and backward under saved_tensors_hooks: a measurement of what autograd saves,
     # not a training step
     ("bench/compile_saved.py", "saved_by_layer"),

@@ -130,7 +130,7 @@ def test_plain_loop_times_steps_and_records_losses_and_first_norm(ur, tiny_model
     rows = load_rows(str(tiny_model))
     sigterm = signal.getsignal(signal.SIGTERM)  # run_case installs its own handler: give pytest its own back
     try:
-        rec = run_case("unsloth", args, lambda rec, clock: ur.plain_loop(args, rec, clock, model, rows),
+        rec = run_case("unsloth", args, lambda rec, clock: ur.unsloth_plain_loop(args, rec, clock, model, rows),
                        loop=ur.LOOPS["plain"])
     finally:
         signal.signal(signal.SIGTERM, sigterm)

@@ -16,9 +16,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.common import first_step_grad_norm  # noqa: E402
 
-from bench.peers.peerlib import hf_args, load_rows, reset_peaks, run_case  # noqa: E402
+from bench.peers.peerlib import hf_args, load_rows, plain_loop, reset_peaks, run_case  # noqa: E402
 
 
 def main() -> int:
@@ -47,26 +46,10 @@ def main() -> int:
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         rows = load_rows(args.model_dir)
-        per_step = args.micro_batch * args.grad_accum
         rec["load_s"] = round(time.perf_counter() - t0, 2)
         rec["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         rec["_retries0"] = reset_peaks(args.device)
-        clock.losses = []
-        for step in range(args.steps):
-            start = (step * per_step) % (rows.shape[0] - per_step + 1)
-            batch = rows[start:start + per_step].to(args.device)  # outside the timed step, as the Trainer's
-            clock.begin()
-            total = 0.0
-            for mb in batch.split(args.micro_batch):
-                loss = model(input_ids=mb, labels=mb).loss / args.grad_accum
-                loss.backward()
-                total += loss.item()
-            if step == 0:  # the record's first-step trainable-gradient norm (step 1 is outside tokens/s)
-                clock.first_grad_norm = first_step_grad_norm(model)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            clock.end()
-            clock.losses.append(total)
+        plain_loop(model, opt, rows, args, clock)
 
     run_case("hf_loop_liger" if args.liger else "hf_loop", args, body, liger=args.liger, loop="plain")
     return 0

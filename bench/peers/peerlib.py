@@ -138,6 +138,34 @@ def simulate_card_view(cap: str | None) -> dict | None:
     return {"card": card.name, "total_memory": total, "budget": budget}
 
 
+def plain_loop(model, opt, rows, args, clock) -> None:
+    """The training loop people write around a model (bench/peers/hf_loop.py's on transformers + PEFT,
+    bench/peers/unsloth_run.py's on Unsloth's model): per optimizer step `args.grad_accum` micro-batches of
+    `args.micro_batch` rows, each `model(input_ids, labels=input_ids).loss / grad_accum` backward and `.item()`ed
+    (the step's loss is their sum), then `opt.step()`. One clock tick per optimizer step, the batch moved to the
+    device before it (as the Trainer's dataloader does); the first step's trainable-gradient norm read before its
+    optimizer step."""
+    from bench.common import first_step_grad_norm
+
+    per_step = args.micro_batch * args.grad_accum
+    clock.losses = []
+    for step in range(args.steps):
+        start = (step * per_step) % (rows.shape[0] - per_step + 1)
+        batch = rows[start:start + per_step].to(args.device)  # outside the timed step, as the Trainer's
+        clock.begin()
+        total = 0.0
+        for mb in batch.split(args.micro_batch):
+            loss = model(input_ids=mb, labels=mb).loss / args.grad_accum
+            loss.backward()
+            total += loss.item()
+        if step == 0:  # the record's first-step trainable-gradient norm (step 1 is outside tokens/s)
+            clock.first_grad_norm = first_step_grad_norm(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.end()
+        clock.losses.append(total)
+
+
 def reset_peaks(device: str) -> int:
     if device != "cuda":
         return 0

@@ -38,10 +38,8 @@ os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.common import first_step_grad_norm  # noqa: E402
-
-from bench.peers.peerlib import (load_rows, parser, reset_peaks, run_case, simulate_card_view,  # noqa: E402
-                                 start_cuda, trainer_callback)
+from bench.peers.peerlib import (load_rows, parser, plain_loop, reset_peaks, run_case,  # noqa: E402
+                                 simulate_card_view, start_cuda, trainer_callback)
 
 GC = {"unsloth": "unsloth", "none": False, "true": True}
 LOOPS = {"sfttrainer": "SFTTrainer", "plain": "plain PyTorch loop"}
@@ -168,13 +166,11 @@ def plain_body(args, rec, clock) -> None:
         rec["unsloth_setup"] = {**setup_notes(model, gc), "training": model.training}
     except Exception as e:  # noqa: BLE001
         rec["unsloth_setup_error"] = repr(e)[:300]
-    plain_loop(args, rec, clock, model, rows)
+    unsloth_plain_loop(args, rec, clock, model, rows)
 
 
-def plain_loop(args, rec, clock, model, rows) -> None:
-    """bench/peers/hf_loop.py's loop and clock on Unsloth's model: one optimizer step per clock tick, the batch moved
-    to the device before the tick, the loss `.item()`ed per micro-batch (the step's loss is their sum), the first
-    step's trainable-gradient norm read before the optimizer step."""
+def unsloth_plain_loop(args, rec, clock, model, rows) -> None:
+    """peerlib.plain_loop (bench/peers/hf_loop.py's loop and clock) on Unsloth's model, with fused AdamW."""
     import torch
 
     # Fused AdamW on CUDA: what a user after speed picks (PyTorch's docs name the fused implementation the fastest;
@@ -184,25 +180,8 @@ def plain_loop(args, rec, clock, model, rows) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             **({"fused": True} if fused else {}))
     rec["optim"] = "adamw_torch_fused" if fused else "adamw_torch"
-    per_step = args.micro_batch * args.grad_accum
     rec["_retries0"] = reset_peaks(args.device)
-    clock.losses = []
-    for step in range(args.steps):
-        start = (step * per_step) % (rows.shape[0] - per_step + 1)
-        batch = rows[start:start + per_step].to(args.device)  # outside the timed step, as the Trainer's
-        clock.begin()
-        total = 0.0
-        for ids in batch.split(args.micro_batch):
-            out = model(input_ids=ids, labels=ids)
-            loss = out.loss / args.grad_accum
-            loss.backward()
-            total += loss.item()
-        if step == 0:  # the record's first-step trainable-gradient norm (step 1 is outside tokens/s)
-            clock.first_grad_norm = first_step_grad_norm(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        clock.end()
-        clock.losses.append(total)
+    plain_loop(model, opt, rows, args, clock)
 
 
 def main(argv: list[str] | None = None) -> int:
