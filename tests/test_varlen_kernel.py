@@ -210,8 +210,9 @@ def test_the_kernel_path_is_on_by_default_and_0_turns_it_off(monkeypatch):
     monkeypatch.setattr(va, "load_kernel", lambda: object())
     monkeypatch.delenv(va.KERNEL_ENV, raising=False)
     assert va.kernel_available("cuda")
-    monkeypatch.setenv(va.KERNEL_ENV, "0")
-    assert not va.kernel_available("cuda")
+    for off in ("0", "off", "False", " no "):
+        monkeypatch.setenv(va.KERNEL_ENV, off)
+        assert not va.kernel_available("cuda"), off
     monkeypatch.setenv(va.KERNEL_ENV, "1")
     assert va.kernel_available("cuda")
     monkeypatch.setattr(va, "load_kernel", lambda: None)  # an older torch

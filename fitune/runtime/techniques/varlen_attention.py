@@ -186,7 +186,7 @@ def _native_gqa_agrees(kernel, device) -> bool:
 
 
 KERNEL_ENV = "FITUNE_VARLEN_KERNEL"
-"""Set to 0 to turn the kernel path off (the segment loop then runs on the GPU too). On by default since it ran on
+"""Set to 0 (or no / false / off, as FITUNE_PROGRESS reads them) to turn the kernel path off (the segment loop then runs on the GPU too). On by default since it ran on
 a GPU as the segment loop does (H100, torch 2.11): outputs and gradients equal to the loop's (largest difference 0)
 in bench/packed_attention.py, the `gpu` test of tests/test_varlen_kernel.py passed, and `fitune train` on the
 real-length workload had the loop's losses to the third decimal at 6x its speed
@@ -196,8 +196,8 @@ real-length workload had the loop's losses to the third decimal at 6x its speed
 def kernel_available(device) -> bool:
     """Whether the kernel path is on (`KERNEL_ENV` not 0) and torch's `varlen_attn` can run on `device` (a CUDA
     device, torch >= 2.10)."""
-    return (os.environ.get(KERNEL_ENV, "1") != "0" and torch.device(device).type == "cuda"
-            and load_kernel() is not None)
+    off = os.environ.get(KERNEL_ENV, "").strip().lower() in ("0", "no", "false", "off", "never")
+    return not off and torch.device(device).type == "cuda" and load_kernel() is not None
 
 
 def _kernel(query: torch.Tensor):
