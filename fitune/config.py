@@ -432,6 +432,9 @@ def config_from_dict(doc: dict, source: str = "config", overrides: dict | None =
         problems.add(f"{source}: expected a mapping of keys (model:, data:, method:, ...)")
         problems.raise_if_any()
     merged = _merge(doc, overrides or {}, problems)
+    for one, other in (("max_steps", "epochs"), ("epochs", "max_steps")):  # as for the flags below: one choice
+        if one in (overrides or {}) and other not in (overrides or {}) and other in doc:
+            merged.pop(other, None)
     remote = _remote_code_problem(merged, source, from_file="trust_remote_code" not in (overrides or {}))
     if remote:
         problems.add(remote)

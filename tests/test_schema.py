@@ -255,3 +255,22 @@ def test_set_values_are_read_as_the_file_reads_them(paths, tmp_path):
     args = build_parser().parse_args(["train", str(f), "--set", "lr=2e-4", "--set", "lora.dropout=0.1"])
     cfg = config_from_dict(load_config_file(str(f)), str(f), parse_overrides(args))
     assert (cfg.lr, cfg.setup.lora_dropout) == (2e-4, 0.1)
+
+
+def test_a_set_max_steps_replaces_the_files_epochs(paths, tmp_path):
+    """`fitune plan --write` writes `epochs: 1`; `--set max_steps=25` on that file is one choice, as the flag
+    --max-steps is (found trying a written plan as a user), and `--set epochs=2` replaces a file's max_steps."""
+    from fitune.cli.train import parse_overrides
+
+    f = tmp_path / "run.yaml"
+    f.write_text(f"model: {paths['model']}\ndata: {paths['path']}\nepochs: 1\n")
+    args = build_parser().parse_args(["train", str(f), "--set", "max_steps=25"])
+    cfg = config_from_dict(load_config_file(str(f)), str(f), parse_overrides(args))
+    assert (cfg.max_steps, cfg.epochs) == (25, None)
+    f.write_text(f"model: {paths['model']}\ndata: {paths['path']}\nmax_steps: 3\n")
+    args = build_parser().parse_args(["train", str(f), "--set", "epochs=2"])
+    cfg = config_from_dict(load_config_file(str(f)), str(f), parse_overrides(args))
+    assert (cfg.max_steps, cfg.epochs) == (None, 2)
+    args = build_parser().parse_args(["train", str(f), "--set", "epochs=2", "--set", "max_steps=4"])
+    with pytest.raises(ConfigError, match="give exactly one of them"):  # both given: still refused
+        config_from_dict(load_config_file(str(f)), str(f), parse_overrides(args))
