@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import inspect
 import json
 import os
 import re
@@ -116,14 +117,17 @@ def main() -> int:
     trace_path = os.path.join(args.out, f"trace.{safe}.json.gz")
     last = args.profile_from + args.profile_steps - 1
 
-    def profiled(cfg_, model, optimizer, scaler, stream, batches, plan, step, fault):
+    step_arg = list(inspect.signature(original).parameters).index("step")
+
+    def profiled(*a, **kw):  # the loop's own signature, whatever it is: only `step` is read
+        step = kw["step"] if "step" in kw else a[step_arg]
         if step == args.profile_from:
             torch.cuda.synchronize()
             state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
-        loss = original(cfg_, model, optimizer, scaler, stream, batches, plan, step, fault)
+        loss = original(*a, **kw)
         if step == last:
             torch.cuda.synchronize()
             state["wall_s"] = time.perf_counter() - state["t0"]

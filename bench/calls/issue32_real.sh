@@ -6,6 +6,7 @@
 # with its own checkpointing and without, then fitune again (noise: about +-8 %). Most important first: what the
 # budget cannot reach is skipped, and a run that does not fit is a record with fits false.
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue32_real.sh $OUT/real
+#   RL_ONLY=fitune,trl_nogc_liger_m1a2 RL_STEPS=80 bash bench/calls/issue32_real.sh $OUT/real   # these runs, 80 steps
 set -u
 OUT=${1:?usage: issue32_real.sh OUT}
 cd "$(dirname "$0")/../.."
@@ -25,6 +26,7 @@ RL=$OUT/real_length.jsonl
 rl() {  # rl NAME STACK [real_length.py flags ...]
   local name=$1 stack=$2; shift 2
   local l; l=$(left)
+  if [ -n "${RL_ONLY:-}" ] && [[ ",$RL_ONLY," != *",$name,"* ]]; then return; fi
   if [ "$l" -lt "$MIN_LEFT" ]; then echo "[$name] skipped: ${l}s left"; return; fi
   local limit=$(( l < RUN_LIMIT ? l : RUN_LIMIT )) t=$(date +%s)
   timeout -k 20 "$limit" "$PY" bench/peers/real_length.py --stack "$stack" --model-dir "$MODEL" --out "$RL" \
