@@ -107,7 +107,10 @@ def main() -> int:
                   else None,
                   "peak_allocated_bytes": max((s["peak_allocated_bytes"] or 0 for s in steps), default=None),
                   "peak_reserved_bytes": max((s["peak_reserved_bytes"] or 0 for s in steps), default=None),
-                  "micro_batch_sizes": sorted({s["micro_batch_size"] for s in steps}), "log_tail": tail}
+                  "micro_batch_sizes": sorted({s["micro_batch_size"] for s in steps}),
+                  "step_time_s": [s.get("step_time_s") for s in steps],
+                  "alloc_retries_per_step": [s.get("alloc_retries") for s in steps],
+                  "peak_reserved_per_step_bytes": [s.get("peak_reserved_bytes") for s in steps], "log_tail": tail}
         write_record(os.path.join(args.out, "rank_check.jsonl"), record,
                      training=training_facts(losses, probe, why_none=f"fitune train exited {code} before it"))
         print(json.dumps({k: v for k, v in record.items() if k not in ("setup", "log_tail")}), flush=True)

@@ -404,7 +404,6 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
                 raise                                                 # rank alone would leave the others waiting
             optimizer.zero_grad(set_to_none=True)  # partial gradients of the failed attempt go
             del exc
-            release_memory(device)  # the failed attempt's activations and cached blocks go back
             change = _replan(model, plan, step)
             if change is None:
                 raise FituneError(
@@ -413,6 +412,10 @@ def _step_with_oom_guard(cfg, model, optimizer, scaler, stream, batches, plan, s
             plan.changes.append(change)
             print(f"\nfitune: out of memory at step {step + 1}: {change['why']}; retrying the step with the same data",
                   file=sys.stderr)
+        # Out of the except block: the traceback that held the failed attempt's frames, and through them its
+        # activations, is gone only now, so its blocks can go back to the GPU (inside the block they could not:
+        # the cache stayed full to the cap, and the re-planned steps ran against it)
+        release_memory(device)
 
 
 def _optimizer_step(cfg, model, optimizer, scaler, stream, batches, plan, step, fault,
