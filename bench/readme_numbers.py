@@ -31,7 +31,8 @@ STACK_NAMES = {
 }
 SEEDS = "Llama-3.1-8B LoRA r8 q,v, 2 x 2048 tokens a step, 24 GB cap: tokens/s"
 CONTEXT = "QLoRA r32 all-linear, longest context that trains two steps"
-CARDS = (("8 GB", "7.4GiB"), ("12 GB", "11.4GiB"), ("16 GB", "15.4GiB"), ("24 GB", "23.4GiB"))
+CARDS = (("8 GB", "7.4GiB"), ("12 GB", "11.4GiB"), ("16 GB", "15.4GiB"), ("24 GB", "23.4GiB"), ("48 GB", "47.4GiB"))
+QLORA = "QLoRA r16 all-linear, 2 x 2048 tokens a step, 24 GB cap: tokens/s"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,49 @@ def seeds_rows(root: str) -> list[Row]:
     return out
 
 
+UNSLOTH_CALL = os.path.join("bench", "results", "issue32", "unsloth")
+"""Issue 32's call against Unsloth's setups: the seeds' LoRA and QLoRA r16 all-linear, fitune's plan 1 of each."""
+QLORA_CALL = os.path.join("bench", "results", "issue32", "qlora_replan")
+"""QLoRA again after the OOM guard's fix, fitune beside Unsloth's fastest QLoRA setup of UNSLOTH_CALL."""
+
+
+def _unsloth_words(rec: dict) -> str:
+    """An Unsloth setup in words: its loop, checkpointing, micro-batch x accumulation."""
+    loop = "its model in a plain PyTorch loop" if rec["loop"] == "plain PyTorch loop" else f"its {rec['loop']}"
+    gc = {"none": "no checkpointing", "unsloth": "its checkpointing"}[rec["grad_checkpointing"]]
+    return f"{loop}, {gc}, micro-batch {rec['micro_batch_size']} x {rec['grad_accum']}"
+
+
+def _fitune_of(root: str, folder: str, workload: str) -> dict:
+    (r,) = [x for x in _lines(root, folder, "rank_check.jsonl") if x["workload"] == workload]
+    return r
+
+
+def unsloth_rows(root: str) -> list[Row]:
+    """The seeds' workload and QLoRA r16 against Unsloth's setups (issue 32): fitune's plan 1 along the user's path
+    against Unsloth's fastest setup that fit, same call."""
+    peers = _lines(root, UNSLOTH_CALL, "peers.jsonl")
+    lora = [r for r in peers if r["method"] == "lora"]
+    fitune, best = _fitune_of(root, UNSLOTH_CALL, "seeds"), _strongest(lora)
+    rows = [Row(f"{SEEDS} ({_call_label('issue 32', fitune)})", f"**{_n(fitune['tokens_per_s_median'])}**",
+                f"Unsloth ({_unsloth_words(best)}) {_n(best['tokens_per_s'])}: the fastest of its {len(lora)} LoRA "
+                f"setups run, {sum(r['fits'] for r in lora)} of which fit (HF + Liger not run in this call)",
+                _vs(fitune["tokens_per_s_median"], best["tokens_per_s"]), _link(UNSLOTH_CALL))]
+    searched = [r for r in peers if r["method"] == "qlora"]
+    first, top = _fitune_of(root, UNSLOTH_CALL, "qlora_seeds"), _strongest(searched)
+    again = _fitune_of(root, QLORA_CALL, "qlora_seeds")
+    (peer,) = [r for r in _lines(root, QLORA_CALL, "peers.jsonl") if r["case"] == top["case"]]
+    planned, ran = again["setup"]["batch_size"], again["micro_batch_sizes"]
+    how = (f"plan 1, micro-batch {planned}: out of memory in step 1, continued at {ran[0]} x {planned // ran[0]}"
+           if ran != [planned] else f"plan 1, micro-batch {planned}")
+    rows.append(Row(f"{QLORA} ({_call_label('issue 32', again)})", f"**{_n(again['tokens_per_s_median'])}** ({how})",
+                    f"Unsloth's fastest of {len(searched)} QLoRA setups in {_link(UNSLOTH_CALL)} (there "
+                    f"{_n(top['tokens_per_s'])} against fitune's {_n(first['tokens_per_s_median'])}: both slower on "
+                    f"that call's machine), here: {_unsloth_words(peer)}, {_n(peer['tokens_per_s'])}",
+                    _vs(again["tokens_per_s_median"], peer["tokens_per_s"]), _link(QLORA_CALL)))
+    return rows
+
+
 def hf_liger_by_call(root: str) -> list[float]:
     """The strongest HF + Liger figure of each of the five calls of the seeds' workload, in call order."""
     files = (("peers.jsonl",), ("run2", "peers.jsonl"), ("run3", "call_a", "peers.jsonl"), ("run3", "peers.jsonl"),
@@ -93,9 +137,11 @@ def hf_liger_by_call(root: str) -> list[float]:
     return [_strongest([r for r in _lines(root, PEERS, *f) if "liger" in r["stack"]])["tokens_per_s"] for f in files]
 
 
-REAL_LENGTH_CALL = os.path.join("bench", "results", "issue32", "real")
-"""The real-length call with every stack at its strongest setup searched (issue 32): fitune as planned, TRL's packed
+REAL_LENGTH_SEARCH = os.path.join("bench", "results", "issue32", "real")
+"""The real-length call with every stack's setups searched (issue 32, 14 steps): fitune as planned, TRL's packed
 `SFTTrainer` and Unsloth's, each with and without checkpointing."""
+REAL_LENGTH_CALL = os.path.join("bench", "results", "issue32", "window", "real")
+"""The real-length call over 80 steps: fitune twice and the strongest peer setup of REAL_LENGTH_SEARCH."""
 
 
 def _setup_words(rec: dict) -> str:
@@ -111,27 +157,35 @@ def real_length_rows(root: str) -> list[Row]:
     recs = _lines(root, REAL_LENGTH_CALL, "real_length.jsonl")
     mine = [r["trained_tokens_per_s"] for r in recs if r["stack"] == "fitune" and r["fits"]]
     fitune = statistics.median(mine)
-    peers = [r for r in recs if r["stack"] != "fitune"]
-    best = _strongest(peers, "trained_tokens_per_s")
+    (best,) = [r for r in recs if r["stack"] != "fitune"]
+    searched = [r for r in _lines(root, REAL_LENGTH_SEARCH, "real_length.jsonl") if r["stack"] != "fitune"]
+    top = _strongest(searched, "trained_tokens_per_s")
+    assert (top["stack"], _setup_words(top)) == (best["stack"], _setup_words(best)), "not the searched strongest"
     others = []
-    for stack in sorted({r["stack"] for r in peers} - {best["stack"]}):
-        top = _strongest([r for r in peers if r["stack"] == stack], "trained_tokens_per_s")
-        others.append(f"{STACK_NAMES[stack]} at best {_n(top['trained_tokens_per_s'])}")
+    for stack in sorted({r["stack"] for r in searched} - {top["stack"]}):
+        other = _strongest([r for r in searched if r["stack"] == stack], "trained_tokens_per_s")
+        others.append(f"{STACK_NAMES[stack]} at best {_n(other['trained_tokens_per_s'])}")
     label = _call_label("issue 32", recs[0])
-    real = f"real-length data ({_n(recs[0]['data']['examples'])} examples), LoRA r8 q,v, 24 GB cap: trained tokens/s"
+    real = (f"real-length data ({_n(recs[0]['data']['examples'])} examples), LoRA r8 q,v, 24 GB cap: trained "
+            f"tokens/s, median of steps 3-{recs[0]['steps']}")
     runs = ", ".join(_n(x) for x in mine)
     peer = (f"{STACK_NAMES[best['stack']]} ({_setup_words(best)}) {_n(best['trained_tokens_per_s'])}: the fastest of "
-            f"{len(peers)} peer setups, {sum(1 for r in peers if r['fits'])} of which fit; " + "; ".join(others))
+            f"{len(searched)} peer setups searched in {_link(REAL_LENGTH_SEARCH)} ({searched[0]['steps']} steps), "
+            f"{sum(1 for r in searched if r['fits'])} of which fit; " + "; ".join(others) + " there")
     return [Row(f"{real} ({label})", f"**{_n(fitune)}** (median of {len(mine)} runs: {runs})", peer,
                 _vs(fitune, best["trained_tokens_per_s"]), _link(REAL_LENGTH_CALL))]
 
 
-CONTEXT_CALLS = (("issue 33", os.path.join("bench", "results", "issue33", "retries", "lanes")),
+CONTEXT_CALLS = (("issue 34", os.path.join("bench", "results", "issue34", "gb48")),
+                 ("issue 33", os.path.join("bench", "results", "issue33", "retries", "lanes")),
                  ("issue 33", os.path.join("bench", "results", "issue33", "context_pool")),
                  ("call 2", os.path.join(PEERS, "context_per_card", "call2")),
-                 ("call 1", os.path.join(PEERS, "context_per_card", "call1")))
-"""The context records, newest first: the two calls on today's code (fitune and Unsloth side by side, issue 33), then
-the two calls of issue 14."""
+                 ("call 1", os.path.join(PEERS, "context_per_card", "call1")),
+                 ("issue 14's 48 GB call 3, H200", os.path.join(PEERS, "context_48gb", "call3", "unsloth")),
+                 ("issue 14's 48 GB call 2, H200", os.path.join(PEERS, "context_48gb", "call2")))
+"""The context records, newest first: the calls on today's code (issue 34's 48 GB probe; fitune and Unsloth side by
+side, issue 33), then the two calls of issue 14 and its 48 GB calls (Unsloth's probes; one stack a call there: at
+these lengths each keeps 48-60 GiB of checkpoints in pinned host memory)."""
 
 
 def _probes(root: str) -> list[dict]:
@@ -179,27 +233,44 @@ def context_rows(root: str) -> list[Row]:
         at_cap = _newest_shared_call([r for r in probes if r["cap"] == cap])
         mine = [r for r in _newest_call([r for r in at_cap if r.get("fits") is True], "fitune")]
         best = max(mine, key=lambda r: r["seq_len_tokens"])
-        peer_call = [r for r in at_cap if r["stack"] == "unsloth" and r["folder"] == best["folder"]]
-        alone = not peer_call
-        peer_call = peer_call or _newest_call(at_cap, "unsloth")
-        u_fit = [r["seq_len_tokens"] for r in peer_call if r.get("fits") is True]
-        u_oom = min(r["seq_len_tokens"] for r in peer_call if r.get("fits") is False)
+        same = [r for r in at_cap if r["stack"] == "unsloth" and r["folder"] == best["folder"]]
+        alone = not same
         host = (f"; host RAM peak {best['host_peak_rss_bytes'] / 2**30:.1f} GiB" if best.get("host_peak_rss_bytes")
                 else "")
         note = f" ({best['label']}{host}, fitune alone)" if alone else f" ({best['label']}{host})"
-        where = f" ({peer_call[0]['label']})" if alone else ""
-        peer = (f"Unsloth{where} fits {_n(max(u_fit))}, out of memory at {_n(u_oom)}" if u_fit
-                else f"Unsloth{where} out of memory at {_n(u_oom)}")
-        folders = sorted({best["folder"], peer_call[0]["folder"]}, reverse=True)
+        fit, oom = _unsloth_bounds(same or [r for r in at_cap if r["stack"] == "unsloth"])
+        parts = ([f"fits {_n(fit['seq_len_tokens'])}" + (f" ({fit['label']})" if alone else "")] if fit else []) + \
+            [f"out of memory at {_n(oom['seq_len_tokens'])}" + (f" ({oom['label']})" if alone else "")]
+        if alone and fit and fit["folder"] == oom["folder"]:  # one call: named once
+            parts = [f"({oom['label']}) fits {_n(fit['seq_len_tokens'])}", f"out of memory at {_n(oom['seq_len_tokens'])}"]
+        if fit and fit["seq_len_tokens"] >= best["seq_len_tokens"]:  # Unsloth trained as long: no lead measured
+            ratio = f"no lead measured (both train {_n(fit['seq_len_tokens'])})"
+        else:
+            ratio = f"at least {best['seq_len_tokens'] / oom['seq_len_tokens']:.2f}x"
+        folders = sorted({best["folder"], oom["folder"]} | ({fit["folder"]} if fit else set()), reverse=True)
         rows.append(Row(f"{CONTEXT}, {card} card ({cap.removesuffix('GiB')} GiB)",
-                        f"**{_n(best['seq_len_tokens'])}**{note}", peer,
-                        f"at least {best['seq_len_tokens'] / u_oom:.2f}x",
+                        f"**{_n(best['seq_len_tokens'])}**{note}", "Unsloth " + ", ".join(parts), ratio,
                         ", ".join(_link(f) for f in folders)))
     return rows
 
 
+def _unsloth_bounds(probes: list[dict]) -> tuple[dict | None, dict]:
+    """Unsloth's longest probe that fit and its shortest that ran out of memory, each from the newest call (in
+    CONTEXT_CALLS' order) that measured one; its longest lies between the two."""
+    def newest(ok: bool) -> list[dict]:
+        for _, folder in CONTEXT_CALLS:
+            here = [r for r in probes if r["folder"] == folder and r.get("fits") is ok]
+            if here:
+                return here
+        return []
+
+    fits, ooms = newest(True), newest(False)
+    return (max(fits, key=lambda r: r["seq_len_tokens"]) if fits else None,
+            min(ooms, key=lambda r: r["seq_len_tokens"]))
+
+
 def render_results(root: str) -> str:
-    rows = seeds_rows(root) + real_length_rows(root) + context_rows(root)
+    rows = seeds_rows(root) + unsloth_rows(root) + real_length_rows(root) + context_rows(root)
     lines = ["| measured on one GPU, H200 unless the row names another (allocator capped at the card's budget) | fitune | strongest peer, same call "
              "| fitune against it | records |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r.what} | {r.fitune} | {r.peer} | {r.ratio} | {r.records} |" for r in rows]

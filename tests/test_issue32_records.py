@@ -140,3 +140,121 @@ def test_the_whole_files_completion_share_by_fitunes_encoding(tiny_model, tmp_pa
     examples, _ = tokenize_records(read_records(data), load_tokenizer(str(tiny_model)), None, 2048)
     trained = sum(sum(1 for y in e.labels if y != -100) for e in examples)
     assert round(100 * trained / sum(len(e.input_ids) for e in examples), 1) == 69.4
+
+
+# ---- the calls of the eleventh session (2026-12-06): Unsloth's setups, the 80-step window, QLoRA, 48 GB -----------
+
+
+def test_the_forum_workload_against_unsloths_setups_same_call():
+    """fitune's plan 1 (`plan --write`, then `train`) against Unsloth's model in a plain loop: its only LoRA setup
+    that fit the 24 GB cap (1 x 2, no checkpointing; micro-batch 2 ran out of memory). Issue 32's goal, 1.2x the
+    strongest Unsloth setup: not met (1.17x)."""
+    fitune = [r for r in _lines("issue32", "unsloth", "rank_check.jsonl") if r["workload"] == "seeds"][0]
+    peers = [r for r in _lines("issue32", "unsloth", "peers.jsonl") if r["method"] == "lora"]
+    best = max((r for r in peers if r["fits"]), key=lambda r: r["tokens_per_s"])
+    assert (best["loop"], best["grad_checkpointing"], best["micro_batch_size"]) == ("plain PyTorch loop", "none", 1)
+    assert [r["micro_batch_size"] for r in peers if r["fits"] is False] == [2]
+    assert round(fitune["tokens_per_s_median"]) == 17860 and round(best["tokens_per_s"]) == 15208
+    assert 1.17 < fitune["tokens_per_s_median"] / best["tokens_per_s"] < 1.18 < 1.2
+    assert fitune["exit"] == 0 and fitune["micro_batch_sizes"] == [1]
+    for r in [fitune] + peers:
+        assert r["provenance"]["commit"].startswith("c7a5a44") and r["provenance"]["diff_sha256"] == ""
+
+
+def test_qlora_plan_one_ran_out_of_memory_and_fitune_trails_unsloths_fastest_qlora():
+    """QLoRA r16 all-linear, 2 x 2048: fitune's plan 1 (micro-batch 2, no checkpointing) ran out of memory in step 1
+    in both calls and went on at 1 x 2. In the first call both stacks ran slower (fitune 8,092, Unsloth's fastest of
+    its 3 QLoRA setups 9,860); in the second, after the OOM guard's fix, 12,750 against the same Unsloth setup's
+    13,071: behind by 2.5 % (issue 32's goal: 1.1x ahead)."""
+    first = [r for r in _lines("issue32", "unsloth", "rank_check.jsonl") if r["workload"] == "qlora_seeds"][0]
+    qlora = [r for r in _lines("issue32", "unsloth", "peers.jsonl") if r["method"] == "qlora"]
+    top = max((r for r in qlora if r["fits"]), key=lambda r: r["tokens_per_s"])
+    assert len(qlora) == 3 and top["case"] == "unsloth_plain_qlora_nogc_m1a2"
+    assert round(first["tokens_per_s_median"]) == 8092 and round(top["tokens_per_s"]) == 9860
+    assert "out of memory at step 1" in first["log_tail"] and first["setup"]["batch_size"] == 2
+    again = _lines("issue32", "qlora_replan", "rank_check.jsonl")[0]
+    (peer,) = _lines("issue32", "qlora_replan", "peers.jsonl")
+    assert peer["case"] == top["case"] and again["provenance"]["commit"].startswith("58459bd")
+    assert "out of memory at step 1" in again["log_tail"] and again["micro_batch_sizes"] == [1]
+    assert round(again["tokens_per_s_median"]) == 12750 and round(peer["tokens_per_s"]) == 13071
+    assert 0.97 < again["tokens_per_s_median"] / peer["tokens_per_s"] < 0.98
+    # after the re-plan the cache went back: steps 2+ reserved 15.35 GiB, not the cap's 23.4, and no retries
+    assert max(again["peak_reserved_per_step_bytes"][1:]) < 16.5e9 < again["peak_reserved_per_step_bytes"][0]
+    assert again["alloc_retries_per_step"][1:] == [0] * 11
+
+
+def test_the_80_step_window_real_length_ratio():
+    """Over 80 steps both stacks' windows hold the file's share of completion tokens (69.6-69.7 %, where TRL's 14
+    steps held 72.5 %); fitune's median of two runs against TRL's strongest setup: 1.48x (goal 1.5x: not met)."""
+    runs = _lines("issue32", "window", "real", "real_length.jsonl")
+    assert [r["stack"] for r in runs] == ["fitune", "trl_packing", "fitune"] and all(r["steps"] == 80 for r in runs)
+    fitune = statistics.median(r["trained_tokens_per_s"] for r in runs if r["stack"] == "fitune")
+    (trl,) = [r for r in runs if r["stack"] == "trl_packing"]
+    assert (trl["grad_checkpointing"], trl["liger"], trl["micro_batch_size"], trl["grad_accum"]) == ("off", True, 1, 2)
+    assert round(fitune) == 12242 and round(trl["trained_tokens_per_s"]) == 8294
+    assert 1.47 < fitune / trl["trained_tokens_per_s"] < 1.48
+    assert all(0.696 <= r["trained_share_of_padded"] <= 0.697 for r in runs)
+    for r in runs:
+        if r["stack"] == "fitune":  # the estimate of fitune's own runs: within 2 % allocated, 5 % reserved
+            assert abs(r["estimate_allocated_bytes"] / r["peak_allocated_bytes"] - 1) < 0.02
+            assert abs(r["estimate_reserved_bytes"] / r["peak_reserved_bytes"] - 1) < 0.05
+        assert r["provenance"]["commit"].startswith("5182728")
+
+
+def test_the_qlora_profiles_peaks_against_fitune_estimate(tmp_path):
+    """The QLoRA setups of the profile runs (bench/step_profile.py): `fitune estimate` of each run's own config
+    against its measured peaks: allocated within 0.01 %, reserved 2.5-3.3 % under (within issue 32's 2 % / the 5 %
+    reserved band). Plan 1's 2 x 2048 without checkpointing reserved 24.17 GiB with the cap raised: over the 24 GB
+    card's 23.4 GiB, where its estimate (23.39 GiB) left 14 MB: the step-1 out-of-memory error of both calls."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    profiles = {r["name"]: r for r in _lines("issue32", "window", "step_profile.jsonl")}
+    assert set(profiles) == {"qlora_seeds.cap=78GiB", "qlora_seeds.batch_size=1.grad_accum=2"}
+    for name, r in profiles.items():
+        assert r["exit"] == 0 and r["provenance"]["commit"].startswith("5182728")
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(r["setup"]))
+        out = subprocess.run([sys.executable, "-m", "fitune", "estimate", "--config", str(path), "--json"],
+                             capture_output=True, text=True, cwd=ROOT, check=True)
+        est = json.loads(out.stdout)
+        assert abs(est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1) < 0.0001, name
+        assert -0.035 < est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1 < -0.02, name
+    plan1 = profiles["qlora_seeds.cap=78GiB"]
+    cap_bytes = 23.4 * 2 ** 30
+    assert plan1["peak_reserved_bytes"] > cap_bytes > plan1["peak_allocated_bytes"]
+    # where the step goes (steps 5-7 under the profiler): matmuls most, bitsandbytes' dequantization next
+    m1 = profiles["qlora_seeds.batch_size=1.grad_accum=2"]
+    kinds = m1["kernel_s_per_kind"]
+    assert max(kinds, key=kinds.get) == "matmul"
+    dequant = sum(k["s"] for k in m1["top_kernels"] if "kDequantizeBlockwise" in k["name"])
+    assert 0.10 < dequant / m1["gpu_busy_s"] < 0.15
+
+
+def test_the_48gb_row_on_todays_code():
+    """Issue 34's 48 GB row: `fitune plan --host-ram 64GiB` at 196,608 tokens trained two steps in a fresh process on
+    commit 5182728, without allocator retries; the estimate within 0.1 % allocated, 1 % reserved, 0.3 % host."""
+    (r,) = [x for x in _lines("issue34", "gb48", "max_context.jsonl") if x.get("probe")]
+    assert (r["stack"], r["cap"], r["seq_len_tokens"], r["fits"]) == ("fitune", "47.4GiB", 196608, True)
+    assert r["alloc_retries_per_step"] == [0, 0] and r["oom_guard_replans"] == 0 and r["plan_host_ram"] == "64GiB"
+    assert abs(r["est_peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1) < 0.001
+    assert abs(r["est_peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1) < 0.01
+    assert abs(r["host_peak_over_est"] - 1) < 0.003
+    assert r["provenance"]["commit"].startswith("5182728") and "H100" in r["provenance"]["gpu"]["name"]
+
+
+def test_what_allocator_retries_cost_at_77824_tokens():
+    """Issue 33: the 16 GB card's 77,824-token plan alone on the GPU, capped (30 and 32 retries in its two steps)
+    and with the cap raised to 78 GiB (none): the same allocated peak, the steady step 24.84 s against 24.51 s,
+    1.4 % (about 11 ms a retry; one sample each, inside run-to-run noise)."""
+    probes = [x for x in _lines("issue33", "retry_cost", "max_context.jsonl") if x.get("probe")]
+    capped, free = sorted(probes, key=lambda x: bool(x.get("set")))
+    assert capped["alloc_retries_per_step"] == [30, 32] and free["alloc_retries_per_step"] == [0, 0]
+    assert free["set"] == {"cap": "78GiB"} and capped["peak_allocated_bytes"] == free["peak_allocated_bytes"]
+    assert free["peak_reserved_bytes"] > 15.4 * 2 ** 30 > capped["peak_reserved_bytes"]  # uncapped it reserves more
+    cost = capped["step_seconds"][1] / free["step_seconds"][1] - 1
+    assert 0.013 < cost < 0.015
+    per_retry_s = (capped["step_seconds"][1] - free["step_seconds"][1]) / capped["alloc_retries_per_step"][1]
+    assert 0.009 < per_retry_s < 0.012
