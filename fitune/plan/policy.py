@@ -15,15 +15,6 @@ from ..setup import TrainSetup
 from ..specs.model import ModelSpec
 from ..units import GiB, parse_memory_bytes
 
-#: Architectures whose Liger kernels fitune measured (docs/speed.md, "Loss kernels"; records in
-#: bench/results/issue12/ and issue5/): there the planner uses Liger by default once liger-kernel is installed.
-LIGER_BY_DEFAULT = ("llama", "qwen2")
-
-#: Architectures whose compiled layers fitune measured (docs/speed.md; records in bench/results/speed/, groups
-#: *_compile): there the planner compiles each decoder layer by default when Triton (torch.compile's GPU backend) is
-#: installed. Qwen2 was measured too, but before the lean LoRA branch's fix (its LoRA gradients were zero when
-#: compiled: docs/history.md), so its compiled runs are withdrawn until measured again.
-COMPILE_BY_DEFAULT = ("llama",)
 
 
 def _installed(package: str) -> bool:
@@ -36,7 +27,7 @@ def default_kernels(kept: TrainSetup, model: ModelSpec, kernels_given: bool) -> 
     asked."""
     if kernels_given or kept.keep_outputs:
         return kept.kernels, []
-    if model.model_type in LIGER_BY_DEFAULT and _installed("liger_kernel"):
+    if model.liger_measured and _installed("liger_kernel"):
         return "liger", ["kernels: liger (liger-kernel is installed; --kernels torch leaves it out)"]
     return "torch", []
 
@@ -54,7 +45,7 @@ def default_compile(kept: TrainSetup, model: ModelSpec, kernels: str, compile_gi
         return kept.compile, kernels, []
     if kernels_given:
         return "none", kernels, []  # --kernels liger / torch asked for: as asked, no compile on top
-    if model.model_type in COMPILE_BY_DEFAULT and _installed("triton"):
+    if model.compile_measured and _installed("triton"):
         return "layers", "torch", ["compile: layers (Triton is installed; --compile none leaves it out, --kernels "
                                    "liger uses Liger's kernels instead)"]
     return "none", kernels, []

@@ -68,9 +68,6 @@ OPTIMIZER_BY_MEMORY = optimizer_specs.by_allocator_memory()
 RUNNABLE_CHECKPOINTING = ("none", "full", "offload")
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
 RUNNABLE_LOSSES = ("hf", "chunked")
-#: Models whose RMSNorm is transformers' Llama one, which fitune's lean RMSNorm replaces (lean_norm.py checks the
-#: byte code at run time; these are the catalog's families that pass).
-LEAN_NORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _LOSS_MEMORY = {"chunked": 0, "hf": 1}
 DEFAULT_METHODS = ("lora",)
 """The method a plan keeps unless the user allows others (`--method lora,qlora`): the first one named is theirs."""
@@ -588,7 +585,7 @@ def _setup(req: PlanRequest, g: _Group, optimizer: str, **changes) -> TrainSetup
                    freeze_trainable_layers=req.freeze_trainable_layers, stack="fitune", loss=g.loss,
                    lean_lora=g.method in ("lora", "qlora"), kernels=req.kernels, compile=compiled,
                    lean_norm=req.kernels == "torch" and compiled == "none"
-                   and req.model.model_type in LEAN_NORM_MODEL_TYPES,
+                   and req.model.llama_rms_norm,
                    expandable_segments=True, tiled_mlp=g.ckpt == "offload", num_gpus=g.gpus or req.num_gpus,
                    strategy=g.strategy, offload_embeddings=g.offload_embeddings)
     if req.keep_outputs:  # the user's own transformers + PEFT loop, as written: none of fitune's techniques

@@ -34,6 +34,19 @@ class LinearSpec:
     count_per_layer: int = 1  # e.g. shared experts; always 1 for dense models
 
 
+#: Models whose RMSNorm is transformers' Llama one, which fitune's lean RMSNorm replaces (lean_norm.py checks the
+#: byte code at run time; these are the catalog's families that pass).
+LEAN_NORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: Architectures whose Liger kernels fitune measured (docs/speed.md, "Loss kernels"; records in
+#: bench/results/issue12/ and issue5/): there the planner uses Liger by default once liger-kernel is installed.
+LIGER_MEASURED_MODEL_TYPES = ("llama", "qwen2")
+#: Architectures whose compiled layers fitune measured (docs/speed.md; records in bench/results/speed/, groups
+#: *_compile): there the planner compiles each decoder layer by default when Triton (torch.compile's GPU backend) is
+#: installed. Qwen2 was measured too, but before the lean LoRA branch's fix (its LoRA gradients were zero when
+#: compiled: docs/history.md), so its compiled runs are withdrawn until measured again.
+COMPILE_MEASURED_MODEL_TYPES = ("llama",)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture of a causal LM, as memory sees it. All sizes are element counts, not bytes."""
@@ -90,6 +103,21 @@ class ModelSpec:
     def kv_dim(self) -> int:
         """Width of one of the key / value projections: kv_heads x head_dim (grouped-query attention)."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def llama_rms_norm(self) -> bool:
+        """Its RMSNorm is transformers' Llama one, which fitune's lean RMSNorm replaces."""
+        return self.model_type in LEAN_NORM_MODEL_TYPES
+
+    @property
+    def liger_measured(self) -> bool:
+        """Liger's kernels were measured on this architecture: the planner's default where liger-kernel is installed."""
+        return self.model_type in LIGER_MEASURED_MODEL_TYPES
+
+    @property
+    def compile_measured(self) -> bool:
+        """Compiled decoder layers were measured on this architecture: the planner's default where Triton is."""
+        return self.model_type in COMPILE_MEASURED_MODEL_TYPES
 
     @property
     def is_moe(self) -> bool:
