@@ -79,10 +79,11 @@ def test_every_finding_carries_evidence_and_a_fix():
             assert re.search(r"measured|fitune estimate|source:|reasoned \(not measured\)|computed from", f.evidence)
 
 
-def test_measured_evidence_cites_the_benchmark_file():
+def test_measured_evidence_cites_the_measured_cases_through_the_docs():
     f = next(f for f in check(fixture("lora-all-linear.py")))
-    assert "bench/results/hf_recipe/hf_recipe.jsonl llama-3.1-8b:bf16 case 1 and 9" in f.evidence
-    assert "fitune estimate (validated against bench/results/hf_recipe/hf_recipe.jsonl)" in f.evidence
+    assert "the HF recipe's measured runs (docs/accuracy.md), llama-3.1-8b:bf16 case 1 and 9" in f.evidence
+    assert "bench/results" not in f.evidence
+    assert "fitune estimate (its error against measured runs: docs/accuracy.md)" in f.evidence
 
 
 def test_estimates_are_quoted_for_the_scripts_own_model():

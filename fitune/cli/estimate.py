@@ -273,7 +273,7 @@ def format_estimate(est, suggestions=()) -> str:
         elif est.retries_expected and est.setup.expandable_segments:
             verdict = ("FITS WITH ALLOCATOR RETRIES: the cache would outgrow the budget, so the allocator gives "
                        "free pages back mid-step (expandable segments: the live blocks fit; measured on the 143k-token "
-                       "QLoRA step, bench/results/issue5/)")
+                       "QLoRA step: docs/phases.md)")
         elif est.retries_expected:
             verdict = ("FITS ONLY WITH ALLOCATOR RETRIES: the reserved peak is over the budget, so the allocator "
                        "will flush its cache mid-step (slower; a fragmented cache can still fail)")

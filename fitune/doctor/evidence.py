@@ -20,7 +20,9 @@ from ..specs.model import catalog_key_for_hub_id
 from ..units import gib
 
 HF_RECIPE = "bench/results/hf_recipe/hf_recipe.jsonl"
-"""Measured on one H200 with transformers 5.17 + PEFT 0.21 (bench/results/hf_recipe/COMMAND.md)."""
+"""Measured on one H200 with transformers 5.17 + PEFT 0.21 (bench/results/hf_recipe/COMMAND.md): the file read."""
+HF_RECIPE_CITED = "the HF recipe's measured runs (docs/accuracy.md)"
+"""How a user-facing message names those records: the documentation, not a path an installed wheel lacks."""
 REFERENCE_MODEL = "llama-3.1-8b"
 """The model estimates are quoted for when the script's model is not in fitune's catalog (the forum case)."""
 USUAL_RANK = 16
@@ -28,7 +30,7 @@ USUAL_RANK = 16
 LARGE_RANK = 64
 """The largest LoRA rank most recipes use (8-64): a rank above it is flagged (`lora-rank-large`) and gets the
 smaller-rank fixes (r/4 and USUAL_RANK); the adapter's bytes grow linearly with r."""
-ESTIMATED = f"fitune estimate (validated against {HF_RECIPE})"
+ESTIMATED = "fitune estimate (its error against measured runs: docs/accuracy.md)"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class MeasuredCase:
     """Rounded to a whole token."""
 
     def cite(self) -> str:
-        return f"{HF_RECIPE} {self.group} case {self.case}"
+        return f"{HF_RECIPE_CITED}, {self.group} case {self.case}"
 
 
 LLAMA_QV_FULL = MeasuredCase(
@@ -120,7 +122,7 @@ def retries_verdict_evidence(gpu_name: str) -> str:
     """What the measured forum scripts say about a "fits only with allocator retries" verdict."""
     done, oom = RETRIES_VERDICT_OUTCOMES["completed"], RETRIES_VERDICT_OUTCOMES["out_of_memory"]
     return (f"measured: of the {done + oom} forum scripts run as written under a 24 GB card's cap with this verdict, "
-            f"{done} completed and {oom} ran out of memory ({DOCTOR_SCRIPTS}): on the {gpu_name}, plan for it not "
+            f"{done} completed and {oom} ran out of memory (docs/evidence.md): on the {gpu_name}, plan for it not "
             "to fit, and take a fix below")
 
 
@@ -276,7 +278,7 @@ def eager_attention(script=None) -> str:
                 f"{LLAMA_QV_NONE.case}'s 2 sequences) ({LLAMA_EAGER_NONE.cite()} and {LLAMA_QV_NONE.case}): eager "
                 f"keeps each layer's batch x heads x seq x seq attention probabilities; with checkpointing the "
                 f"difference nearly vanishes ({GEMMA_EAGER_FULL.label}: {_peak(GEMMA_EAGER_FULL)}; sdpa: "
-                f"{_peak(GEMMA_SDPA_FULL)}; {HF_RECIPE} {GEMMA_EAGER_FULL.group} cases {GEMMA_EAGER_FULL.case} and "
+                f"{_peak(GEMMA_SDPA_FULL)}; {HF_RECIPE_CITED}, {GEMMA_EAGER_FULL.group} cases {GEMMA_EAGER_FULL.case} and "
                 f"{GEMMA_SDPA_FULL.case})")
     if script is not None:
         return live(script, {"attn": "sdpa"}, "with sdpa", {"attn": "eager"}, "with eager") + ". " + measured
@@ -288,7 +290,7 @@ def allocator_flushes_itself() -> str:
             f"{gib(SEEDS_UNCAPPED.peak_reserved_bytes)} on a whole H200 ({SEEDS_UNCAPPED.file}); capped to "
             f"{gib(SEEDS_CAPPED.cap_bytes)} (an RTX 4090) it completed at {gib(SEEDS_CAPPED.peak_allocated_bytes)} "
             f"allocated, {gib(SEEDS_CAPPED.peak_reserved_bytes)} reserved, after {SEEDS_CAPPED.num_alloc_retries} "
-            f"allocator retry ({SEEDS_CAPPED.file}): the caching allocator frees its cache by itself before it "
+            f"allocator retry (docs/accuracy.md, the seeds' case under a 24 GB card's budget): the caching allocator frees its cache by itself before it "
             "fails")
 
 

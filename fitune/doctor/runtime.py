@@ -499,7 +499,7 @@ class RunMonitor:
                     "check that the setup matches the script (batch, sequence length, checkpointing, LoRA targets, "
                     "dtype); then look for tensors kept alive (outputs, logits) or padding beyond the sequence length",
                     "measured in this run (torch.cuda.max_memory_allocated per phase) vs fitune estimate "
-                    "(validated against bench/results/hf_recipe/hf_recipe.jsonl)"))
+                    "(its error against measured runs: docs/accuracy.md)"))
         return out
 
     # ---- helpers -------------------------------------------------------------------------------------------------

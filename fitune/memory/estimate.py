@@ -443,10 +443,10 @@ def _rank_gpu(gpu: GpuSpec | None, layout: "parallel_terms.RankLayout", notes: l
     elif layout.strategy == "zero3_offload":
         notes.append(f"one GPU, {layout.strategy}: measured on one H200 (model built under zero.Init), this estimate "
                      "was within 0.8 % of the peak allocated and within 1.8 % of the peak reserved (Llama-3.1-8B "
-                     "LoRA, Llama-3.2-1B full; bench/results/zero/zero_init/)")
+                     "LoRA, Llama-3.2-1B full; docs/evidence.md C14)")
     else:
         notes.append(f"one GPU, {layout.strategy}: measured on one H200 within 0.2 % of the peak allocated and 2.6 % "
-                     "of the peak reserved (bench/results/zero/); on one GPU ZeRO divides nothing and adds its own "
+                     "of the peak reserved (docs/evidence.md C14); on one GPU ZeRO divides nothing and adds its own "
                      "buffers")
     if layout.host:
         notes.append(f"zero3_offload keeps {sum(layout.host.values()) / GiB:.2f} GiB per rank in pinned host memory "

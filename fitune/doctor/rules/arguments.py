@@ -85,7 +85,7 @@ def _hit(line: int, call: Call, owner: str, items: list[tuple[str, str, str | No
     return Hit(line, f"{head}, so the run stops after the model has loaded: {what}.",
                "; ".join(_fix(kw, value, text) for kw, text, value, _ in items),
                f"checked on the CPU with {CHECKED_WITH}: each keyword given as a string, the run stopped as said "
-               "(tests/test_doctor_issue31.py re-runs learning_rate and LoRA r); " + (
+               "(fitune's tests re-run learning_rate and LoRA r); " + (
                    "source: torch/optim/adam.py checks 0.0 <= lr when AdamW is built" if adam
                    else "source: the Python comparison or arithmetic where the value is first used"))
 

@@ -24,7 +24,7 @@ from ..index import Call, ScriptIndex
 from .base import Hit, call_text, known_setup, rule
 
 TORCH_CHECKPOINT = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential")
-RUNTIME_CHECK = ("verified on the CPU by tests/test_doctor_runtime.py: fitune.doctor.runtime.RunMonitor counts each "
+RUNTIME_CHECK = ("verified on the CPU by fitune's tests: fitune.doctor.runtime.RunMonitor counts each "
                  "decoder layer's forward calls per step (2 with checkpointing in train mode, 1 in eval mode)")
 
 
@@ -83,8 +83,8 @@ def checkpoint_reentrant(ix: ScriptIndex) -> Iterator[Hit]:
 
 _REENTRANT_EVIDENCE = ("source: torch/utils/checkpoint.py (torch 2.13): use_reentrant defaults to True when not "
                        "passed, with the warning 'None of the inputs have requires_grad=True. Gradients will be "
-                       "None'; checked on the CPU by tests/test_doctor_script.py::"
-                       "test_reentrant_checkpoint_with_frozen_inputs_gives_no_gradient")
+                       "None'; checked on the CPU by fitune's tests (a reentrant checkpoint of frozen inputs gives "
+                       "no gradient)")
 
 
 @rule("checkpointing-in-eval-mode", ERROR, "checkpointing enabled but the model is never put in train mode", ("C15",))
@@ -192,7 +192,7 @@ def torch_compile_with_checkpointing(ix: ScriptIndex) -> Iterator[Hit]:
               "compilation.",
               "keep both; to check the gain on your model, compare torch.cuda.max_memory_allocated() and tokens/s "
               "of a few steps with and without torch.compile (fitune.doctor.runtime.RunMonitor records peaks)",
-              "measured (bench/results/claims/, LoRA r8 q,v, bf16, 2 x 2048, checkpointing): llama-3.2-1b with "
+              "measured (LoRA r8 q,v, bf16, 2 x 2048, checkpointing): llama-3.2-1b with "
               "torch.compile(model): 8.53 -> 5.66 GiB peak allocated, 32.6k -> 54.8k tokens/s, 59 s to compile; "
               "each layer compiled: 8.53 GiB both, 55.5k tokens/s; llama-3.1-8b, each layer compiled: 21.99 GiB "
               "both, 9.7k -> 11.8k tokens/s (docs/evidence.md C13)")

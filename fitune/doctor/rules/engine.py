@@ -9,9 +9,6 @@ from ..findings import INFO
 from ..index import ScriptIndex
 from .base import Hit, call_text, rule
 
-ZERO_RESULTS = "bench/results/zero/zero.jsonl"
-
-
 def _zero_stage(ix: ScriptIndex, node: ast.expr | None) -> int | None:
     """The `zero_optimization.stage` of a DeepSpeed config given as a dict literal (or a name bound to one)."""
     if isinstance(node, ast.Name):
@@ -47,7 +44,7 @@ def deepspeed_on_one_gpu(ix: ScriptIndex) -> Iterator[Hit]:
                   "on one GPU, drop DeepSpeed and lower memory with gradient checkpointing, a smaller micro-batch "
                   "with accumulation, QLoRA or a chunked loss (`fitune plan` ranks them); keep ZeRO for several "
                   "GPUs",
-                  f"measured: {ZERO_RESULTS} (fitune train --gpus 1 --strategy zero2 | zero3 | zero3_offload; "
+                  "measured (fitune train --gpus 1 --strategy zero2 | zero3 | zero3_offload; "
                   "Llama-3.1-8B LoRA r8 q,v 2 x 2048: 21.99 GiB without DeepSpeed, 22.00 with zero2, 22.97 with "
                   "zero3, 9.87 with zero3_offload; Llama-3.2-1B full: 13.15, 25.39, 26.88, 9.06 GiB); "
                   "docs/evidence.md C14, C24")

@@ -64,7 +64,7 @@ def device_map_auto(ix: ScriptIndex) -> Iterator[Hit]:
             'device_map={"": 0} (one GPU; or move the model with .to("cuda")); if the weights do not fit, use '
             "4-bit loading (QLoRA) rather than offloading",
             "reasoned (not measured): accelerate's infer_auto_device_map sizes the placement for weights only; "
-            "offloading is not among the measured cases in " + evidence.HF_RECIPE,
+            "offloading is not among " + evidence.HF_RECIPE_CITED,
         )
 
 

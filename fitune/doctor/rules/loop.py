@@ -179,9 +179,9 @@ def compiled_model_into_trainer(ix: ScriptIndex) -> Iterator[Hit]:
                   "\"No columns in the dataset match the model's forward method signature\".",
                   "let the Trainer compile: drop this line and pass torch_compile=True to TrainingArguments (or "
                   "keep it and set remove_unused_columns=False)",
-                  "measured: tests/fixtures/doctor/forum/trainer_mistral_qlora_compile.py run as written on the "
+                  "measured: a forum script with this line (Mistral QLoRA, the HF Trainer) run as written on the "
                   "H200 (transformers 5.17) stopped with that ValueError before its first step "
-                  "(bench/results/doctor/doctor_scripts.jsonl)")
+                  "(fitune's doctor measurements: docs/evidence.md)")
         return
 
 

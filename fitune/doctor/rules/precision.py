@@ -72,7 +72,7 @@ def _autocast_device(ix: ScriptIndex, c) -> str | None:
 
 GRAD_SCALER_SOURCE = ("source: torch/amp/grad_scaler.py (\"To minimize gradient underflow, a large scale factor should be "
                       "used\"; its example: scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); "
-                      "the scale starts at 2**16). CPU check (tests/test_doctor_issue31.py): a float16 gradient of "
+                      "the scale starts at 2**16). CPU check (fitune's tests): a float16 gradient of "
                       "1e-8 is 0 unscaled and 6.6e-4 at the initial scale")
 
 
@@ -166,7 +166,7 @@ def fp16_on_bf16_model(ix: ScriptIndex) -> Iterator[Hit]:
                   "source: transformers 5.17 training_args.py (fp16=True sets mixed_precision=\"fp16\") and "
                   "accelerate 1.15 (torch.autocast(dtype=float16) + GradScaler); torch/amp/grad_scaler.py unscale_ "
                   "raises \"Attempting to unscale FP16 gradients.\" only for float16 gradients. CPU check "
-                  "(tests/test_doctor_issue31.py): TrainingArguments(fp16=True).mixed_precision is \"fp16\", and "
+                  "(fitune's tests): TrainingArguments(fp16=True).mixed_precision is \"fp16\", and "
                   "the scaler unscales bf16 gradients without a word. Reasoned (not measured on a GPU): float16's "
                   "largest value is 65504, bf16's 3.4e38")
 
