@@ -1,6 +1,7 @@
 """`fitune plan`: the fast estimate, the search, the throughput fit, the emitted config and code. CPU, no torch."""
 
 import ast
+import dataclasses
 import json
 import os
 import statistics
@@ -17,7 +18,7 @@ from fitune.plan import PlanRequest, plan
 from fitune.plan import throughput
 from fitune.plan.data import DataProfile, batching, choose_seq_len, packing_pays
 from fitune.plan.fast import FastEstimator, layer_kinds, period, shallow_spec
-from fitune.setup import TrainSetup
+from fitune.setup import DEFAULT_SETUP, TrainSetup
 from fitune.specs import load_model_spec, resolve_gpu
 from fitune.specs.model import model_catalog
 
@@ -758,3 +759,22 @@ def test_estimate_with_keep_outputs_suggests_changes_without_failing(capsys):
     assert switched.stack == "fitune" and not switched.keep_outputs
     rc, out, err = _run(["estimate", "llama-3.1-8b", "--gpu", "rtx4090", "--keep-outputs", "--stack", "hf"], capsys)
     assert rc == 0 and "DOES NOT FIT" in out, err
+
+
+def test_a_tight_plan_says_what_train_does_if_it_runs_out_of_memory(capsys):
+    """A tight plan can run out of memory (QLoRA r16 all-linear's plan 1 did, in step 1 of both GPU calls of
+    bench/results/issue32): the line says that `fitune train` runs the step again at half the micro-batch, with the
+    same data; at micro-batch 1 without checkpointing, with checkpointing; the user's own loop (--keep-outputs) has
+    no such guard, so nothing is promised there."""
+    from fitune.cli.plan import _tight_fallback
+
+    rc, out, _ = _run(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2"], capsys)
+    tight = [line for line in out.splitlines() if line.strip().startswith("tight:")]
+    assert rc == 0 and tight
+    assert all("`fitune train` runs it again at micro-batch 1 (same data, same effective batch)" in line
+               for line in tight)
+    base = dataclasses.replace(DEFAULT_SETUP, stack="fitune", batch_size=4, grad_checkpointing="none")
+    assert "micro-batch 2" in _tight_fallback(base)
+    assert "with checkpointing" in _tight_fallback(dataclasses.replace(base, batch_size=1))
+    assert _tight_fallback(dataclasses.replace(base, batch_size=1, grad_checkpointing="full")) == ""
+    assert _tight_fallback(dataclasses.replace(base, stack="hf", keep_outputs=True)) == ""
