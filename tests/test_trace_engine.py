@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import weakref
 
 import pytest
@@ -295,13 +294,12 @@ def test_peft_saves_an_fp32_copy_of_each_adapted_layer_input(monkeypatch):
     assert all(real["saved_storages"].get(ptr) == n == batch * seq * h * 4 for ptr, n, _ in casts)
 
 
-def test_8b_fake_trace_is_fast_and_exact():
+def test_8b_fake_trace_is_exact():
+    """The trace of a full-size 8B step on fake tensors (how long it takes is not asserted here: a timed assertion
+    fails on a loaded machine, 139 s in one CI run against about 40 s usually)."""
     with open(SEED_MODELS) as f:
         cfg = json.load(f)["llama-3.1-8b"]["config"]
-    t0 = time.perf_counter()
     res = trace_training_step(cfg, TrainSetup(batch_size=2, seq_len_tokens=2048))
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, elapsed
     base_params = 8_030_261_248
     rotary_buffers = 2 * 64 * 4  # inv_freq and original_inv_freq, fp32, head_dim / 2 each
     assert res.frozen_params == base_params
