@@ -258,3 +258,16 @@ def test_what_allocator_retries_cost_at_77824_tokens():
     assert 0.013 < cost < 0.015
     per_retry_s = (capped["step_seconds"][1] - free["step_seconds"][1]) / capped["alloc_retries_per_step"][1]
     assert 0.009 < per_retry_s < 0.012
+
+
+def test_the_call_scripts_probe_lines_leave_summaries_out(capsys):
+    """bench/peers/probe_lines.py, the call scripts' shared printer: one line per probe, none for a summary."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+    import probe_lines
+
+    assert probe_lines.main([os.path.join(RESULTS, "issue33", "retry_cost", "max_context.jsonl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all(x.startswith("stack=fitune cap=15.4GiB") for x in out)
+    assert "alloc_retries_per_step=[30, 32]" in out[0] and "set={'cap': '78GiB'}" in out[1]

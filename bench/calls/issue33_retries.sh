@@ -20,11 +20,4 @@ PEERS_BUDGET_S=${PEERS_BUDGET_S:-520} bash bench/peers/context_lanes.sh "$OUT/la
   "fitune@23.4GiB:140288:$H64" "fitune@23.4GiB:plan:$H32 unsloth@15.4GiB:51882,47786" "fitune@15.4GiB:plan:$H64" \
   > "$OUT/lanes/log.txt" 2>&1
 grep '^\[' "$OUT/lanes/log.txt" | cut -c1-300
-python3 - "$OUT/lanes/max_context.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if not r.get("summary"):
-        print(r.get("stack"), r.get("cap"), r.get("seq_len_tokens"), "fits", r.get("fits"), "retries", r.get("alloc_retries_per_step"),
-              "steps_s", r.get("step_seconds"), "alloc", r.get("peak_allocated_bytes"), "reserved", r.get("peak_reserved_bytes"))
-PY
+python3 bench/peers/probe_lines.py "$OUT/lanes/max_context.jsonl"

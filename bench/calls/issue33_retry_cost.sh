@@ -13,11 +13,4 @@ H64=host_ram=64GiB
 PEERS_STEPS=${PEERS_STEPS:-3} PEERS_BUDGET_S=${PEERS_BUDGET_S:-540} bash bench/peers/context_lanes.sh "$OUT" \
   "fitune@15.4GiB:77824:$H64 fitune@15.4GiB:77824:$H64+cap=78GiB" > "$OUT/log.txt" 2>&1
 grep '^\[' "$OUT/log.txt" | cut -c1-300
-python3 - "$OUT/max_context.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("probe"):
-        print(r.get("set"), r.get("seq_len_tokens"), "fits", r.get("fits"), "retries", r.get("alloc_retries_per_step"),
-              "steps_s", r.get("step_seconds"), "reserved", r.get("peak_reserved_bytes"))
-PY
+python3 bench/peers/probe_lines.py "$OUT/max_context.jsonl"

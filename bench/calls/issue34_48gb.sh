@@ -13,13 +13,4 @@ mkdir -p "$OUT"
 PEERS_BUDGET_S=${PEERS_BUDGET_S:-540} bash bench/peers/context_lanes.sh "$OUT" "fitune@47.4GiB:196608:host_ram=64GiB" \
   > "$OUT/log.txt" 2>&1
 grep '^\[' "$OUT/log.txt" | cut -c1-300
-python3 - "$OUT/max_context.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if not r.get("summary"):
-        print(r.get("stack"), r.get("cap"), r.get("seq_len_tokens"), "fits", r.get("fits"), "retries",
-              r.get("alloc_retries_per_step"), "steps_s", r.get("step_seconds"), "alloc", r.get("peak_allocated_bytes"),
-              "est", r.get("est_peak_allocated_bytes"), "reserved", r.get("peak_reserved_bytes"), "host",
-              r.get("host_peak_rss_bytes"), r.get("est_host_peak_bytes"))
-PY
+python3 bench/peers/probe_lines.py "$OUT/max_context.jsonl"
