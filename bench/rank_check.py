@@ -47,10 +47,12 @@ CALL_WORKLOADS = {
 ALL_WORKLOADS = {**WORKLOADS, **CALL_WORKLOADS}
 
 
-def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str) -> tuple[str, dict]:
+def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str,
+                      overrides: dict | None = None) -> tuple[str, dict]:
     """The user's path up to `fitune train`: `fitune plan WORKLOAD --write plan{pick}.yaml --pick N`, then the run's
     own keys set in that file (random weights, a synthetic chat data set and word tokenizer made in `work`, the
-    steps, the card's cap). Returns the file's path and its content."""
+    steps, the card's cap) and `overrides` (a variant of the plan a call measures beside it, e.g.
+    grad_checkpointing: selective:3). Returns the file's path and its content."""
     os.makedirs(work, exist_ok=True)
     plan_args = ALL_WORKLOADS[workload] + ["--top", "3"]
     model = plan_args[0]
@@ -65,9 +67,21 @@ def write_plan_config(work: str, workload: str, pick: int, steps: int, cap: str)
     cfg.pop("epochs", None)
     cfg.update({"model": model, "init": "random", "tokenizer": tok, "data": {"path": data, "format": "chat"},
                 "max_steps": steps, "cap": cap, "output_dir": os.path.join(work, f"run{pick}")})
+    cfg.update(overrides or {})
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     return path, cfg
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`--set KEY=VALUE` items as a dict, each value read as YAML (2 -> int, selective:3 -> str)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: write KEY=VALUE, e.g. --set grad_checkpointing=selective:3")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def main() -> int:
@@ -79,7 +93,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--plans", type=int, default=3, choices=(1, 2, 3),
                    help="train the first N of the top 3 plans (1: plan 1 only)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a key of the written plan before training (a variant measured beside plan 1, e.g. "
+                        "--set grad_checkpointing=selective:3 --set batch_size=2); the record says so")
     args = p.parse_args()
+    overrides = parse_overrides(args.set)
     work = os.path.join(args.out, "work", args.workload)
     plan_args = ALL_WORKLOADS[args.workload] + ["--top", "3"]
     fitune = [sys.executable, "-m", "fitune"]
@@ -87,7 +105,7 @@ def main() -> int:
     plans = json.loads(listing.stdout)["plans"] if listing.stdout.strip() else []
     print("### plan:", [(p["rank"], round(p["tokens_per_s"])) for p in plans], listing.stderr[-500:], flush=True)
     for n, planned in enumerate(plans[:args.plans], 1):
-        path, cfg = write_plan_config(work, args.workload, n, args.steps, args.cap)
+        path, cfg = write_plan_config(work, args.workload, n, args.steps, args.cap, overrides)
         model = cfg["model"]
         probe = os.path.join(work, f"grad_norm_{n}.json")  # the child's first-step trainable-gradient norm
         probed, env = probed_fitune_cmd(probe)
@@ -101,7 +119,8 @@ def main() -> int:
         steps = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
         losses = [s["loss"] for s in steps if "loss" in s]
         steps = [s for s in steps if "tokens_per_s" in s]
-        record = {"workload": args.workload, "model": model, "plan": n, "setup": planned["setup"],
+        setup = {**planned["setup"], **{k: v for k, v in overrides.items() if k in planned["setup"]}}
+        record = {"workload": args.workload, "model": model, "plan": n, "setup": setup, "overrides": overrides,
                   "predicted_tokens_per_s": planned["tokens_per_s"], "exit": code, "steps": len(steps),
                   "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps[2:]) if len(steps) > 2
                   else None,

@@ -17,16 +17,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = [json.loads(x) for x in open(os.path.join(ROOT, "bench", "results", "rank_check", "rank_check.jsonl"))]
 
 
-def _workloads():
+def _module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("rank_check", os.path.join(ROOT, "bench", "rank_check.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.WORKLOADS
+    return module
 
 
-WORKLOADS = _workloads()
+RANK_CHECK = _module()
+WORKLOADS = RANK_CHECK.WORKLOADS
+
+
+def test_set_reads_each_value_as_yaml_and_refuses_a_missing_equals():
+    got = RANK_CHECK.parse_overrides(["grad_checkpointing=selective:3", "batch_size=2", "lean_lora = true"])
+    assert got == {"grad_checkpointing": "selective:3", "batch_size": 2, "lean_lora": True}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        RANK_CHECK.parse_overrides(["batch_size"])
 
 
 def _measured(workload: str) -> dict[int, float]:

@@ -55,12 +55,14 @@ start() {  # start NAME FILE STACK: prints the case's time limit; nothing (and a
   echo $(( l < CASE_LIMIT ? l : CASE_LIMIT ))
 }
 
-fitune_case() {  # fitune_case NAME WORKLOAD: bench/rank_check.py's plan 1 of WORKLOAD; its line to $FITUNE
+fitune_case() {  # fitune_case NAME WORKLOAD [--set KEY=VALUE ...]: bench/rank_check.py's plan 1 of WORKLOAD (with
+  # the keys changed, a variant of it); its line to $FITUNE
   local name=$1 workload=$2 limit t rc dir=$WORK/rc_$1
+  shift 2
   limit=$(start "$name" "$FITUNE" fitune); [ -z "$limit" ] && return
   t=$(date +%s); rm -rf "$dir"
   timeout -k 10 "$limit" "$PY" bench/rank_check.py --out "$dir" --workload "$workload" --steps "$STEPS" --plans 1 \
-    --cap "$CAP" --timeout $(( limit > 60 ? limit - 30 : limit / 2 )) > "$LOGS/$name.log" 2>&1
+    --cap "$CAP" --timeout $(( limit > 60 ? limit - 30 : limit / 2 )) "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
   echo "[$name] rc=$rc $(( $(date +%s) - t ))s $(grep '^{' "$LOGS/$name.log" | tail -1 | cut -c1-400)"
   if [ -s "$dir/rank_check.jsonl" ]; then
@@ -97,6 +99,12 @@ unsloth_case unsloth_plain_qlora_nogc_m1a2 --loop plain "${QLORA[@]}" --grad-che
   --grad-accum 2
 unsloth_case unsloth_plain_qlora_gc_m2     --loop plain "${QLORA[@]}" --grad-checkpointing unsloth --micro-batch 2
 unsloth_case unsloth_plain_lora_nogc_m2    --loop plain --grad-checkpointing none --micro-batch 2
+# QLoRA plan 1 (micro-batch 2) with checkpointing on its first K layers only: what fits the cap, how fast (only when
+# named in U32_ONLY)
+for k in 2 3 4; do
+  [[ ",${U32_ONLY:-}," == *",fitune_qlora_sel$k,"* ]] && fitune_case fitune_qlora_sel$k qlora_seeds \
+    --set batch_size=2 --set grad_accum=1 --set grad_checkpointing=selective:$k
+done
 
 for f in "$LOGS"/*.log; do echo "==== $f"; grep -v "could not be imported\|Install it with" "$f" | tail -25; done \
   > "$OUT/logs_tail.txt" 2>&1
