@@ -342,7 +342,7 @@ def test_cli_table_and_rejections(capsys):
 
 PLAN_KEYS = {"rank", "setup", "micro_batch_size", "grad_accum", "packing", "peak_allocated_bytes", "peak_reserved_bytes",
              "budget_bytes", "headroom_bytes", "fits", "retries_expected", "breakdown", "step_time_s", "tokens_per_s",
-             "trained_tokens_per_s", "turns_on", "requires", "runnable", "num_gpus", "strategy", "tight",
+             "trained_tokens_per_s", "turns_on", "requires", "runnable", "num_gpus", "strategy", "tight", "fallback_tokens_per_s",
              "method_change", "unvalidated", "unvalidated_reasons"}
 TOP_KEYS = {"model", "gpu", "num_gpus", "request", "plans", "rejected", "fits", "minimum", "changes", "search", "notes",
             "source_note"}

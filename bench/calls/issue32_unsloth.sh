@@ -99,12 +99,15 @@ unsloth_case unsloth_plain_qlora_nogc_m1a2 --loop plain "${QLORA[@]}" --grad-che
   --grad-accum 2
 unsloth_case unsloth_plain_qlora_gc_m2     --loop plain "${QLORA[@]}" --grad-checkpointing unsloth --micro-batch 2
 unsloth_case unsloth_plain_lora_nogc_m2    --loop plain --grad-checkpointing none --micro-batch 2
-# QLoRA plan 1 (micro-batch 2) with checkpointing on its first K layers only: what fits the cap, how fast (only when
-# named in U32_ONLY)
+# Variants of QLoRA plan 1, only when named in U32_ONLY: micro-batch 2 with 8-bit AdamW and checkpointing on its
+# first K layers only (what fits the cap, how fast); micro-batch 1 x 2 without checkpointing (where the OOM guard
+# took the tight plan of commit 58459bd)
 for k in 2 3 4; do
   [[ ",${U32_ONLY:-}," == *",fitune_qlora_sel$k,"* ]] && fitune_case fitune_qlora_sel$k qlora_seeds \
-    --set batch_size=2 --set grad_accum=1 --set grad_checkpointing=selective:$k
+    --set batch_size=2 --set grad_accum=1 --set grad_checkpointing=selective:$k --set optimizer=adamw8bit
 done
+[[ ",${U32_ONLY:-}," == *",fitune_qlora_m1a2,"* ]] && fitune_case fitune_qlora_m1a2 qlora_seeds \
+  --set batch_size=1 --set grad_accum=2 --set grad_checkpointing=none --set optimizer=adamw8bit
 
 for f in "$LOGS"/*.log; do echo "==== $f"; grep -v "could not be imported\|Install it with" "$f" | tail -25; done \
   > "$OUT/logs_tail.txt" 2>&1

@@ -301,7 +301,11 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
             if p.retries_expected:
                 lines.append("      ! the reserved peak is over the budget: expect allocator retries (slower; a "
                              "fragmented cache can still fail)")
-            if p.tight:
+            if p.fallback_tokens_per_s is not None:
+                lines.append("      at risk: the allocated peak is within 2 % of the budget, so the first step may run "
+                             "out of memory" + _tight_fallback(p.setup) + "; ranked at that fallback's predicted "
+                             f"{p.fallback_tokens_per_s:,.0f} tokens/s")
+            elif p.tight:
                 lines.append("      tight: the reserved peak is within 5 % of the budget, where run-to-run "
                              "fragmentation decides" + _tight_fallback(p.setup))
             if p.method_change:
@@ -401,6 +405,7 @@ def plan_to_json(p, rank: int) -> dict:
         "num_gpus": p.setup.num_gpus,
         "strategy": p.setup.strategy,
         "tight": p.tight,
+        "fallback_tokens_per_s": None if p.fallback_tokens_per_s is None else round(p.fallback_tokens_per_s, 1),
         "method_change": p.method_change or None,
         "unvalidated": bool(p.unvalidated_reasons),
         "unvalidated_reasons": list(p.unvalidated_reasons),

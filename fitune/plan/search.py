@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,8 +65,17 @@ ADAM_FAMILY = optimizer_specs.adam_family()
 OPTIMIZER_BY_MEMORY = optimizer_specs.by_allocator_memory()
 #: Checkpointing modes the search ranks. offload comes with the tiled MLP (the long-context setup of
 #: bench/max_context.py); it ranks after full checkpointing (same predicted compute plus the tiled MLP's
-#: recomputation), so it is chosen when nothing lighter fits. selective:K is not searched yet.
+#: recomputation), so it is chosen when nothing lighter fits. selective:K is searched apart (`_selective_twins`):
+#: its K comes from the memory, not from a list.
 RUNNABLE_CHECKPOINTING = ("none", "full", "offload")
+#: selective:K (checkpointing on the first K decoder layers, the rest keep their activations) is tried as the twin
+#: of the fastest setups without checkpointing that do not fit, or fit tight: the smallest K whose full estimate
+#: leaves a plan's room (TIGHT_SHARE of the budget) and no allocator retries. At most SELECTIVE_TWINS setups, a
+#: few full estimates each (SELECTIVE_CONFIRMS), K at most SELECTIVE_MAX_SHARE of the layers: past half, a smaller
+#: micro-batch or full checkpointing costs less than recomputing that many layers.
+SELECTIVE_TWINS = 2
+SELECTIVE_CONFIRMS = 3
+SELECTIVE_MAX_SHARE = 0.5
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
 RUNNABLE_LOSSES = ("hf", "chunked")
 _LOSS_MEMORY = {"chunked": 0, "hf": 1}
@@ -77,6 +87,13 @@ SPEED_TIE = 0.01
 
 _METHOD_MEMORY = {"qlora": 0, "lora": 1, "full": 2}  # freeze is not ordered against the others
 _CKPT_MEMORY = {"offload": -1, "full": 0, "none": 1}
+
+
+def _ckpt_memory(ckpt: str) -> tuple[float, int]:
+    """Order of the checkpointing modes by memory: none > selective:K (the fewer layers, the more) > full > offload."""
+    if ckpt.startswith("selective:"):
+        return 0.5, -int(ckpt.partition(":")[2])
+    return _CKPT_MEMORY[ckpt], 0
 _ATTN_MEMORY = {"sdpa": 0, "eager": 1}  # flash is compared only with itself
 METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
 
@@ -208,6 +225,9 @@ class Plan:
     tight: bool = False
     """The reserved peak is within 5 % of the budget (as `fitune estimate` marks it): run-to-run fragmentation
     decides whether it fits."""
+    fallback_tokens_per_s: float | None = None
+    """Set when the allocated peak is within AT_RISK_SHARE of the budget: the predicted trained tokens/s of what
+    `fitune train` falls back to if the first step runs out of memory (`fallback_setup`); the plan ranks by it."""
     method_change: str = ""
     """When the plan trains with another method than the one asked for (the first of --method): what that costs
     and what it buys. Empty otherwise."""
@@ -385,6 +405,8 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
             break  # bounded: the setups left are slower than every one tried
         search.visit(g)
 
+    if not search.stopped:
+        search.accepted += _selective_twins(req, fast, search)
     accepted, infeasible = search.accepted, search.infeasible
     plans, with_retries = _confirm(req, fast, accepted)
     plans = _marked(req, plans)
@@ -482,6 +504,54 @@ class _Search:
             self.infeasible.append(g)
             if not g.offload_embeddings:
                 self.table_on_gpu_failed.add(_twin_key(g))
+
+
+def _selective_twins(req: PlanRequest, fast: FastEstimator, search: _Search) -> list[_Group]:
+    """selective:K twins of the fastest setups without checkpointing that did not fit or fit tight, where such a
+    setup is predicted faster than every roomy plan of its method (see SELECTIVE_TWINS)."""
+    if req.keep_outputs:
+        return []  # the user's own loop: transformers' checkpointing is all or nothing
+    budget = search.budget
+    roomy = {}
+    for g in search.accepted:
+        if g.estimate is not None and g.estimate.peak_reserved_bytes <= (1 - TIGHT_SHARE) * budget:
+            roomy[g.method] = max(roomy.get(g.method, 0.0), g.score)
+    tight = [g for g in search.accepted if g.estimate is not None and g.estimate.peak_reserved_bytes > (1 - TIGHT_SHARE) * budget]
+    candidates = [g for g in search.infeasible + tight if g.ckpt == "none" and not g.offload_embeddings
+                  and g.score > roomy.get(g.method, 0.0)]
+    twins = []
+    for g in sorted(candidates, key=lambda g: -g.score)[:SELECTIVE_TWINS]:
+        twin = _selective_twin(req, fast, g)
+        if twin is not None and not any(_heavier_or_equal(x, twin) and _heavier_or_equal(twin, x) for x in twins):
+            twins.append(twin)
+    return twins
+
+
+def _selective_twin(req: PlanRequest, fast: FastEstimator, g: _Group) -> _Group | None:
+    """`g` with checkpointing on its first K layers, K the smallest that leaves a plan's room (full estimates;
+    the first K guessed from the memory per layer between no and full checkpointing); None when more than
+    SELECTIVE_MAX_SHARE of the layers would be needed. The first Adam-family optimizer (by preference) that
+    gets there."""
+    layers = req.model.num_layers
+    target = (1 - TIGHT_SHARE) * req.gpu.allocator_budget_bytes
+    for opt in [o for o in OPTIMIZER_PREFERENCE if o in req.optimizers and o in ADAM_FAMILY]:
+        none = fast.estimate(_setup(req, g, opt))
+        full = fast.estimate(_setup(req, dataclasses.replace(g, ckpt="full"), opt))
+        per_layer = (none.peak_allocated_bytes - full.peak_allocated_bytes) / layers
+        if per_layer <= 0 or full.peak_reserved_bytes > target:
+            continue
+        k = max(1, math.ceil((none.peak_reserved_bytes - target) / per_layer))
+        for _ in range(SELECTIVE_CONFIRMS):
+            if k > SELECTIVE_MAX_SHARE * layers:
+                break
+            twin = dataclasses.replace(g, ckpt=f"selective:{k}", optimizer=opt, estimate=None)
+            e = fast.confirm(_setup(req, twin, opt))
+            if e.fits and not e.retries_expected and e.peak_reserved_bytes <= target:
+                twin.estimate = e
+                twin.score = _tokens_per_s(req, e.setup, twin.packing)[1] * (1 - SPEED_TIE * _nondefault(twin))
+                return twin
+            k += max(1, math.ceil((e.peak_reserved_bytes - target) / per_layer))
+    return None
 
 
 def _search_notes(req: PlanRequest, methods: list[str], search: _Search) -> list[str]:
@@ -654,7 +724,7 @@ def _tokens_per_s(req: PlanRequest, setup: TrainSetup, packing: bool) -> tuple[t
 
 def _nondefault(g: _Group) -> int:
     return (int(g.attn != "sdpa") + int(g.loss != "hf") + int(g.ckpt == "offload") + int(g.strategy != "ddp")
-            + int(g.offload_embeddings))
+            + int(g.offload_embeddings) + int(g.ckpt.startswith("selective:")))
 
 
 def _embeddings_offloadable(req: PlanRequest, method: str, gpus: int) -> bool:
@@ -686,7 +756,7 @@ def _heavier_or_equal(a: _Group, b: _Group) -> bool:
     if a.attn != b.attn and not (a.attn in _ATTN_MEMORY and b.attn in _ATTN_MEMORY
                                  and _ATTN_MEMORY[a.attn] >= _ATTN_MEMORY[b.attn]):
         return False
-    return (a.micro >= b.micro and _CKPT_MEMORY[a.ckpt] >= _CKPT_MEMORY[b.ckpt]
+    return (a.micro >= b.micro and _ckpt_memory(a.ckpt) >= _ckpt_memory(b.ckpt)
             and _LOSS_MEMORY[a.loss] >= _LOSS_MEMORY[b.loss] and a.offload_embeddings <= b.offload_embeddings)
 
 
@@ -758,9 +828,17 @@ def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> t
     return shown, [p for p in found if p not in shown and p.retries_expected]
 
 
+TIGHT_SHARE = 0.05
+"""A plan whose reserved peak is within this share of the budget is `tight` (as `fitune estimate` marks it)."""
 TIGHT_PENALTY = 0.03
 """Ranking handicap of a plan whose reserved peak is within 5 % of the budget (a fit that fragmentation decides):
 more than the model's tie margin, less than the differences it is sure of."""
+AT_RISK_SHARE = 0.02
+"""A plan whose allocated peak is within this share of the budget may run out of memory in its first step: the
+estimate's allocated error is up to 2 % (the estimator's goal; measured within 1 %) and the allocator needs room
+above what is allocated. Measured: QLoRA r16 all-linear, micro-batch 2 x 2048, estimated 23.27 GiB allocated and
+23.33 reserved, reserved 24.17 GiB without a cap and ran out of memory under the 24 GB card's 23.40 (docs/speed.md).
+Such a plan ranks at the predicted speed of what `fitune train` then falls back to (`fallback_setup`)."""
 
 #: What training with another method than the one asked for costs, beyond memory and speed (its quality side).
 METHOD_COSTS = {
@@ -783,7 +861,7 @@ def _marked(req: PlanRequest, plans: list[Plan]) -> list[Plan]:
     own = next((p for p in plans if p.setup.method == asked), None)
     out = []
     for p in plans:
-        tight = abs(p.headroom_bytes) < 0.05 * p.budget_bytes or p.retries_expected
+        tight = abs(p.headroom_bytes) < TIGHT_SHARE * p.budget_bytes or p.retries_expected
         change = ""
         if p.setup.method != asked and asked in METHOD_LABELS:
             if own is None:
@@ -795,11 +873,37 @@ def _marked(req: PlanRequest, plans: list[Plan]) -> list[Plan]:
                         f"{abs(saved) / 2**30:.2f} GiB {'less' if saved >= 0 else 'more'} reserved memory")
             change = (f"{METHOD_LABELS[p.setup.method]} instead of {METHOD_LABELS[asked]}: buys {buys}; costs: "
                       f"{METHOD_COSTS.get(p.setup.method, 'a different training method')}")
-        out.append(dataclasses.replace(p, tight=bool(tight), method_change=change))
-    # a tight plan ranks as if TIGHT_PENALTY slower: at equal predicted speed the one with room wins
-    out.sort(key=lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY,
-                            -p.trained_tokens_per_s * (1 - TIGHT_PENALTY * p.tight)))
+        fallback = None
+        if p.budget_bytes - p.peak_allocated_bytes < AT_RISK_SHARE * p.budget_bytes and not p.retries_expected:
+            s = fallback_setup(p.setup)
+            fallback = None if s is None else _tokens_per_s(req, s, p.packing)[2]
+        out.append(dataclasses.replace(p, tight=bool(tight), method_change=change, fallback_tokens_per_s=fallback))
+    out.sort(key=lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -ranked_tokens_per_s(p)))
     return out
+
+
+def ranked_tokens_per_s(p: Plan) -> float:
+    """The speed a plan ranks by: its fallback's when it is at risk of running out of memory (AT_RISK_SHARE);
+    else its own, TIGHT_PENALTY less when tight (at equal predicted speed the one with room wins)."""
+    if p.fallback_tokens_per_s is not None:
+        return p.fallback_tokens_per_s
+    return p.trained_tokens_per_s * (1 - TIGHT_PENALTY * p.tight)
+
+
+def fallback_setup(s: TrainSetup) -> TrainSetup | None:
+    """What `fitune train`'s OOM guard runs when a step of `s` runs out of memory (train/loop.py `_replan`): half
+    the micro-batch with the same effective batch; at micro-batch 1, checkpointing on every layer; None when
+    neither is left (or the user's own loop, which has no guard)."""
+    if s.stack != "fitune":
+        return None
+    if s.batch_size > 1:
+        total = s.batch_size * s.grad_accum
+        micro = max(1, s.batch_size // 2)
+        return s.replace(batch_size=micro, grad_accum=total // micro) if total % micro == 0 else \
+            s.replace(batch_size=1, grad_accum=total)
+    if s.grad_checkpointing == "none":
+        return s.replace(grad_checkpointing="full")
+    return None
 
 
 def _lighter_optimizer_without_retries(req, fast, g: _Group, e: FastEstimate) -> FastEstimate | None:
@@ -836,7 +940,9 @@ def _turns_on(req: PlanRequest, s: TrainSetup, packing: bool) -> list[str]:
     if s.grad_checkpointing != "none":
         plain = throughput.predict(req.model, s.replace(grad_checkpointing="none"), req.gpu).step_time_s
         ckpt = throughput.predict(req.model, s, req.gpu).step_time_s
-        out.append(f"activation checkpointing (recomputes every layer: {ckpt / plain - 1:+.0%} step time)")
+        which = "every layer" if s.selective_k() is None else \
+            f"the first {s.selective_k()} of {req.model.num_layers} layers only"
+        out.append(f"activation checkpointing (recomputes {which}: {ckpt / plain - 1:+.0%} step time)")
     if s.checkpointed_layers_mode == "offload":
         host = _offload_host_bytes(req, s.batch_size)
         out.append(f"offloaded checkpoints (each layer's input waits in pinned host memory: {_fmt(host)} of host RAM)")
