@@ -778,3 +778,89 @@ def test_a_tight_plan_says_what_train_does_if_it_runs_out_of_memory(capsys):
     assert "with checkpointing" in _tight_fallback(dataclasses.replace(base, batch_size=1))
     assert _tight_fallback(dataclasses.replace(base, batch_size=1, grad_checkpointing="full")) == ""
     assert _tight_fallback(dataclasses.replace(base, stack="hf", keep_outputs=True)) == ""
+
+
+# ---- selective checkpointing and plans at risk of running out of memory ----------------------------------------
+
+QLORA_ALL_LINEAR = dict(batch_size=2, seq_len_tokens=2048, methods=("qlora",), lora_rank=16,
+                        lora_targets=("all-linear",), compile="layers")
+
+
+def test_tight_qlora_plan_gets_a_selective_twin_that_ranks_first():
+    """QLoRA r16 all-linear, 2 x 2048, compiled layers on a 24 GB card (the setup of bench/results/issue32/): without
+    checkpointing micro-batch 2 fits with 0.1 GiB to spare and ran out of memory in its first step on the GPU. The
+    search tries checkpointing on the first K layers only, with K the smallest that leaves a plan's room, and ranks
+    the tight plan at the speed of what the OOM guard runs instead (micro-batch 1 x 2)."""
+    from fitune.plan.search import AT_RISK_SHARE, TIGHT_SHARE, fallback_setup, ranked_tokens_per_s
+
+    model, gpu = load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090")
+    result = plan(PlanRequest(model, gpu, **QLORA_ALL_LINEAR))
+    first = result.plans[0]
+    k = first.setup.selective_k()
+    assert (first.setup.batch_size, first.setup.grad_accum) == (2, 1) and k is not None and 1 <= k <= 16
+    assert first.headroom_bytes >= TIGHT_SHARE * first.budget_bytes and not first.tight
+    assert first.fallback_tokens_per_s is None
+    # the smallest K: one layer fewer leaves less than a plan's room (or needs retries)
+    fewer = estimate(model, first.setup.replace(grad_checkpointing=f"selective:{k - 1}" if k > 1 else "none"), gpu)
+    assert fewer.peak_reserved_bytes > (1 - TIGHT_SHARE) * gpu.allocator_budget_bytes
+    at_risk = [p for p in result.plans if p.setup.grad_checkpointing == "none" and p.setup.batch_size == 2]
+    assert len(at_risk) == 1
+    risky = at_risk[0]
+    assert risky.budget_bytes - risky.peak_allocated_bytes < AT_RISK_SHARE * risky.budget_bytes
+    fallback = fallback_setup(risky.setup)
+    assert (fallback.batch_size, fallback.grad_accum, fallback.grad_checkpointing) == (1, 2, "none")
+    assert risky.fallback_tokens_per_s == pytest.approx(throughput.predict(model, fallback, gpu).tokens_per_s)
+    # the twin is predicted slower than the tight plan would be if it fitted, faster than the tight plan's fallback
+    assert risky.fallback_tokens_per_s < first.trained_tokens_per_s < risky.trained_tokens_per_s
+    assert ranked_tokens_per_s(first) > ranked_tokens_per_s(risky)
+    assert result.plans.index(risky) > 0
+
+
+def test_a_plan_with_room_gets_no_selective_twin():
+    """The forum workload (LoRA r8 q,v, 2 x 2048) fits micro-batch 1 x 2 without checkpointing with room; micro-batch
+    2 would need checkpointing on more than half the layers (SELECTIVE_MAX_SHARE): no selective plan."""
+    result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2, compile="layers"))
+    assert not any(p.setup.checkpointed_layers_mode == "selective" for p in result.plans)
+    assert (result.plans[0].setup.batch_size, result.plans[0].setup.grad_checkpointing) == (1, "none")
+
+
+def test_fallback_setup_is_what_the_oom_guard_runs():
+    from fitune.plan.search import fallback_setup
+
+    s = DEFAULT_SETUP.replace(stack="fitune", batch_size=4, grad_accum=1)
+    assert (fallback_setup(s).batch_size, fallback_setup(s).grad_accum) == (2, 2)
+    odd = s.replace(batch_size=3, grad_accum=2)
+    assert (fallback_setup(odd).batch_size, fallback_setup(odd).grad_accum) == (1, 6)
+    one = s.replace(batch_size=1, grad_accum=2, grad_checkpointing="none")
+    assert fallback_setup(one).grad_checkpointing == "full" and fallback_setup(one).grad_accum == 2
+    assert fallback_setup(one.replace(grad_checkpointing="full")) is None
+    assert fallback_setup(s.replace(stack="hf")) is None  # the user's own loop has no guard
+
+
+def test_selective_orders_between_none_and_full():
+    from fitune.plan.search import _Group, _heavier_or_equal
+
+    g = lambda ckpt: _Group("qlora", 2, ckpt, "sdpa", False, "chunked")  # noqa: E731
+    assert _heavier_or_equal(g("none"), g("selective:3")) and not _heavier_or_equal(g("selective:3"), g("none"))
+    assert _heavier_or_equal(g("selective:2"), g("selective:3")) and not _heavier_or_equal(g("selective:3"), g("selective:2"))
+    assert _heavier_or_equal(g("selective:3"), g("full")) and not _heavier_or_equal(g("full"), g("selective:3"))
+
+
+def test_cli_says_at_risk_and_emits_selective_checkpointing(capsys):
+    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "qlora",
+            "--lora-rank", "16", "--lora-targets", "all-linear", "--compile", "layers"]
+    rc, out, _ = _run(args, capsys)
+    assert rc == 0
+    assert "recomputes the first" in out and "layers only" in out
+    assert "at risk: the allocated peak is within 2 % of the budget" in out and "ranked at that fallback's" in out
+    rc, out, _ = _run(args + ["--json"], capsys)
+    plans = json.loads(out)["plans"]
+    assert plans[0]["setup"]["grad_checkpointing"].startswith("selective:") and plans[0]["fallback_tokens_per_s"] is None
+    risky = [p for p in plans if p["fallback_tokens_per_s"] is not None]
+    assert risky and risky[0]["fallback_tokens_per_s"] < plans[0]["trained_tokens_per_s"]
+    rc, code, _ = _run(args + ["--emit", "hf"], capsys)
+    ast.parse(code)
+    k = plans[0]["setup"]["grad_checkpointing"].split(":")[1]
+    assert f"enable_selective_checkpointing(model, {k})" in code
+    assert code.index("gradient_checkpointing_enable(") < code.index("enable_selective_checkpointing(model,")
+    assert "gradient_checkpointing=True" not in code  # the Trainer would turn it on for every layer

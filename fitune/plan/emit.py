@@ -284,7 +284,8 @@ def _hf_trainer(plan: Plan, model_ref: str, data_path: str | None) -> list[str]:
             f"    output_dir={json.dumps('runs/' + s.method)},",
             f"    per_device_train_batch_size={s.batch_size},",
             f"    gradient_accumulation_steps={s.grad_accum},"]
-    if s.grad_checkpointing != "none" and s.checkpointed_layers_mode != "offload":  # offload: set up above
+    if s.checkpointed_layers_mode == "full":  # offload and selective: set up above (the Trainer would turn it on
+        # on every layer)
         body += ["    gradient_checkpointing=True,",
                  '    gradient_checkpointing_kwargs={"use_reentrant": False},']
     if s.dtype == "bf16" or s.method == "qlora":
@@ -323,6 +324,11 @@ def _fitune_techniques(s: TrainSetup) -> list[tuple[str, str, list[str]]]:
         out.append(("offload", "enable_offloaded_checkpointing", [
             'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
             "enable_offloaded_checkpointing(model)  # each layer's input waits in pinned host memory"]))
+    if s.checkpointed_layers_mode == "selective":
+        out.append(("offload", "enable_selective_checkpointing", [
+            'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})',
+            f"enable_selective_checkpointing(model, {s.selective_k()})  # checkpointing on the first "
+            f"{s.selective_k()} layers only: the others keep their activations"]))
     if s.offload_embeddings:  # applied once the Trainer has placed the model (see hf_code)
         out.append(("offload_embeddings", "enable_offloaded_embeddings", []))
     if s.compile == "layers":  # last: the compiled layers trace the techniques above
