@@ -96,7 +96,8 @@ def test_plans_fit_by_the_full_estimate_and_keep_what_the_user_asked(name, gpu_n
         assert s.method in req.methods
         if s.method in ("lora", "qlora"):
             assert (s.lora_rank, s.lora_targets) == (req.lora_rank, req.lora_targets)  # never changed
-        assert s.grad_checkpointing in ("none", "full", "offload") and s.loss in ("hf", "chunked")  # fitune train runs
+        assert (s.grad_checkpointing in ("none", "full", "offload") or 1 <= (s.selective_k() or 0) <= model.num_layers // 2) \
+            and s.loss in ("hf", "chunked")  # fitune train runs
         assert s.tiled_mlp == (s.grad_checkpointing == "offload") and s.expandable_segments
     flags = [(p.retries_expected, p.setup.optimizer in ("adafactor", "sgd")) for p in result.plans]
     assert flags == sorted(flags)  # plans without allocator retries first
@@ -135,9 +136,14 @@ def test_seeds_case_fits_micro_batch_two_with_fitunes_runner():
     allocator retries (estimate 21.95 GiB allocated, 23.64 GiB reserved; measured 21.99 / 23.73 GiB). fitune's
     runner (lean LoRA and RMSNorm, expandable segments) fits it without: 21.91 GiB allocated, its reserved peak
     under the budget, but within 5 % of it: that plan is marked tight and ranks after the same setup with the chunked
-    loss, predicted as fast (its chunks' launches cost 0.02 %) with 6 GiB of room."""
+    loss, predicted as fast (its chunks' launches cost 0.02 %) with 6 GiB of room. Both rank after micro-batch 1 x 2
+    with checkpointing on the first K layers only (1 x 2 without checkpointing is 0.4 GiB over the budget here, in
+    eager layers with the lean RMSNorm), predicted faster than recomputing every layer."""
     result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2, methods=("lora",)))
-    best, plain = result.plans[0], result.plans[1]
+    selective, best, plain = result.plans[0], result.plans[1], result.plans[2]
+    assert (selective.setup.batch_size, selective.setup.grad_accum) == (1, 2) and not selective.tight
+    assert 1 <= selective.setup.selective_k() <= 16
+    assert selective.trained_tokens_per_s > best.trained_tokens_per_s
     assert (best.setup.batch_size, best.setup.grad_checkpointing, best.setup.loss) == (2, "full", "chunked")
     assert (plain.setup.batch_size, plain.setup.grad_checkpointing, plain.setup.loss) == (2, "full", "hf")
     assert plain.tight and not best.tight

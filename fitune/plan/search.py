@@ -70,10 +70,11 @@ OPTIMIZER_BY_MEMORY = optimizer_specs.by_allocator_memory()
 RUNNABLE_CHECKPOINTING = ("none", "full", "offload")
 #: selective:K (checkpointing on the first K decoder layers, the rest keep their activations) is tried as the twin
 #: of the fastest setups without checkpointing that do not fit, or fit tight: the smallest K whose full estimate
-#: leaves a plan's room (TIGHT_SHARE of the budget) and no allocator retries. At most SELECTIVE_TWINS setups, a
-#: few full estimates each (SELECTIVE_CONFIRMS), K at most SELECTIVE_MAX_SHARE of the layers: past half, a smaller
-#: micro-batch or full checkpointing costs less than recomputing that many layers.
+#: leaves a plan's room (TIGHT_SHARE of the budget) and no allocator retries. At most SELECTIVE_TWINS setups out of
+#: SELECTIVE_TRIES tried, a few full estimates each (SELECTIVE_CONFIRMS), K at most SELECTIVE_MAX_SHARE of the
+#: layers: past half, a smaller micro-batch or full checkpointing costs less than recomputing that many layers.
 SELECTIVE_TWINS = 2
+SELECTIVE_TRIES = 4
 SELECTIVE_CONFIRMS = 3
 SELECTIVE_MAX_SHARE = 0.5
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
@@ -519,10 +520,17 @@ def _selective_twins(req: PlanRequest, fast: FastEstimator, search: _Search) -> 
     tight = [g for g in search.accepted if g.estimate is not None and g.estimate.peak_reserved_bytes > (1 - TIGHT_SHARE) * budget]
     candidates = [g for g in search.infeasible + tight if g.ckpt == "none" and not g.offload_embeddings
                   and g.score > roomy.get(g.method, 0.0)]
-    twins = []
-    for g in sorted(candidates, key=lambda g: -g.score)[:SELECTIVE_TWINS]:
+    twins: list[_Group] = []
+    without: list[_Group] = []  # candidates no K up to SELECTIVE_MAX_SHARE makes fit: heavier ones are skipped
+    for g in sorted(candidates, key=lambda g: -g.score):
+        if len(twins) >= SELECTIVE_TWINS or len(twins) + len(without) >= SELECTIVE_TRIES:
+            break
+        if any(_heavier_or_equal(g, x) for x in without):
+            continue
         twin = _selective_twin(req, fast, g)
-        if twin is not None and not any(_heavier_or_equal(x, twin) and _heavier_or_equal(twin, x) for x in twins):
+        if twin is None:
+            without.append(g)
+        else:
             twins.append(twin)
     return twins
 
