@@ -1,8 +1,8 @@
 """`plan()`: the fastest training setups that fit a GPU, and why the faster ones do not.
 
 The space: method (from the request) x micro-batch (every divisor of the per-GPU batch, the rest as gradient
-accumulation: the effective batch never changes) x activation checkpointing (none | full: what fitune's runner
-runs) x attention x loss (transformers' or the chunked one) x optimizer; with --gpus N also strategy (ddp | fsdp | zero2 |
+accumulation: the effective batch never changes) x activation checkpointing (none | full | offload, and
+selective:K below) x attention x loss (transformers' or the chunked one) x optimizer; with --gpus N also strategy (ddp | fsdp | zero2 |
 zero3 | zero3_offload) x GPU count (the divisors of N that split the batch; `parallel_options`), memory per GPU
 (fitune/memory/parallel.py) and communication in the speed (throughput.py); packing is decided from the data.
 LoRA rank and targets are the user's and never change.
@@ -23,9 +23,12 @@ How it stays fast (an 8B model answers in well under a second):
    where its lightest setups stop fitting (`_micro_ceilings`), pruning what lies above unestimated; a method stops
    once `top` + SPARE_CANDIDATES of its setups fit with Adam (slower ones could not rank); and the visit ends at
    MAX_SEARCH_COST estimates, with a note saying so (`fitune plan --gpus 16 --batch-size 720720` with every method
-   answers in seconds).
+   answers in seconds);
+6. selective:K is not an axis: the fastest setups without checkpointing that did not fit, or fit tight, get a
+   twin with checkpointing on their first K layers, K the smallest that leaves a plan's room (`_selective_twins`).
 
-Ranking: plans without allocator retries first; then plans that keep the Adam update; then predicted tokens/s.
+Ranking: plans without allocator retries first; then plans that keep the Adam update; then predicted tokens/s (a
+tight plan's 3 % less; a plan at risk of running out of memory in its first step, at its fallback's speed).
 The list holds the best plan of each method asked for (when it fits), then the next fastest.
 Alternatives whose predicted speeds are within 1 % count as equally fast (the throughput model cannot tell them
 apart) and the one with fewer changes from the defaults wins.
