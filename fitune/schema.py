@@ -473,7 +473,11 @@ def _unknown_key(path: str, tree: dict, prefix: str) -> str:
         foreign = FOREIGN_KEYS.get(name.lower())
     if foreign:
         return f"{path}: not a fitune key; did you mean {foreign}? (`{name}` {OTHER_TRAINERS_NAME})"
-    close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
+    sections = {prefix + n: node for n, node in tree.items() if not isinstance(node, Key)}
+    close = difflib.get_close_matches(path, known + list(sections), n=1, cutoff=0.6)
+    if close and close[0] in sections:  # `loar:` -> the lora section, not the key lr
+        inner = ", ".join(_paths(sections[close[0]], close[0] + "."))
+        return f"{path}: not a fitune key; did you mean {close[0]}? (a section: {inner})"
     if close:
         return f"{path}: not a fitune key; did you mean {' or '.join(close)}?"
     where = f"under {prefix.rstrip('.')}: " if prefix else ""

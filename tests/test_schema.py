@@ -274,3 +274,16 @@ def test_a_set_max_steps_replaces_the_files_epochs(paths, tmp_path):
     args = build_parser().parse_args(["train", str(f), "--set", "epochs=2", "--set", "max_steps=4"])
     with pytest.raises(ConfigError, match="give exactly one of them"):  # both given: still refused
         config_from_dict(load_config_file(str(f)), str(f), parse_overrides(args))
+
+
+def test_a_misspelt_section_is_offered_the_section_not_a_short_key(tmp_path, capsys):
+    """`loar:` is `lora` with two letters swapped: offered the section, with its keys, not the key `lr` (closer by
+    letters than any of the section's own keys)."""
+    from fitune.cli.main import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: llama-3.1-8b\nloar:\n  rank: 8\nlora:\n  rnak: 8\n")
+    assert main(["estimate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "loar: not a fitune key; did you mean lora? (a section: lora.rank, lora.alpha" in err
+    assert "lora.rnak: not a fitune key; did you mean lora.rank?" in err
