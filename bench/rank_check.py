@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a key of the written plan before training (a variant measured beside plan 1, e.g. "
                         "--set grad_checkpointing=selective:3 --set batch_size=2); the record says so")
+    p.add_argument("--case", help="the call's name for this run, kept in the record (a variant, a repeat)")
     args = p.parse_args()
     overrides = parse_overrides(args.set)
     work = os.path.join(args.out, "work", args.workload)
@@ -120,7 +121,8 @@ def main() -> int:
         losses = [s["loss"] for s in steps if "loss" in s]
         steps = [s for s in steps if "tokens_per_s" in s]
         setup = {**planned["setup"], **{k: v for k, v in overrides.items() if k in planned["setup"]}}
-        record = {"workload": args.workload, "model": model, "plan": n, "setup": setup, "overrides": overrides,
+        record = {"workload": args.workload, "case": args.case, "model": model, "plan": n, "setup": setup,
+                  "overrides": overrides,
                   "predicted_tokens_per_s": planned["tokens_per_s"], "exit": code, "steps": len(steps),
                   "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps[2:]) if len(steps) > 2
                   else None,

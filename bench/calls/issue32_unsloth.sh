@@ -62,7 +62,7 @@ fitune_case() {  # fitune_case NAME WORKLOAD [--set KEY=VALUE ...]: bench/rank_c
   limit=$(start "$name" "$FITUNE" fitune); [ -z "$limit" ] && return
   t=$(date +%s); rm -rf "$dir"
   timeout -k 10 "$limit" "$PY" bench/rank_check.py --out "$dir" --workload "$workload" --steps "$STEPS" --plans 1 \
-    --cap "$CAP" --timeout $(( limit > 60 ? limit - 30 : limit / 2 )) "$@" > "$LOGS/$name.log" 2>&1
+    --cap "$CAP" --timeout $(( limit > 60 ? limit - 30 : limit / 2 )) --case "$name" "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
   echo "[$name] rc=$rc $(( $(date +%s) - t ))s $(grep '^{' "$LOGS/$name.log" | tail -1 | cut -c1-400)"
   if [ -s "$dir/rank_check.jsonl" ]; then
@@ -71,6 +71,20 @@ fitune_case() {  # fitune_case NAME WORKLOAD [--set KEY=VALUE ...]: bench/rank_c
     note "$FITUNE" "$name" fitune "no record: exit code $rc (limit ${limit}s)"; tail -8 "$LOGS/$name.log"
   fi
   rm -rf "$dir/work"  # the run's folder (adapter, tokenizer, data): not results
+}
+
+hf_loop_case() {  # hf_loop_case NAME [hf_loop.py flags ...]: transformers + PEFT in a plain loop; its line to $PEERS
+  local name=$1 limit t rc line; shift
+  limit=$(start "$name" "$PEERS" hf_loop); [ -z "$limit" ] && return
+  t=$(date +%s)
+  timeout -k 10 "$limit" "$PY" bench/peers/hf_loop.py --model-dir "$MODEL" --out "$PEERS" --steps "$STEPS" \
+    --cap "$CAP" --device "$DEVICE" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  line=$(grep -o 'RESULT {.*' "$LOGS/$name.log" | tail -1)
+  echo "[$name] rc=$rc $(( $(date +%s) - t ))s ${line#RESULT }"
+  if [ -z "$line" ]; then
+    note "$PEERS" "$name" hf_loop "no record: exit code $rc (limit ${limit}s)"; tail -8 "$LOGS/$name.log"
+  fi
 }
 
 unsloth_case() {  # unsloth_case NAME [unsloth_run.py flags ...]: one candidate in its own process; its line to $PEERS
@@ -87,27 +101,41 @@ unsloth_case() {  # unsloth_case NAME [unsloth_run.py flags ...]: one candidate 
   fi
 }
 
+run_named() {  # run_named NAME[-rN]: the case NAME (-rN: its N-th run in this call, a record of its own)
+  local name=$1 base=${1%-r[0-9]*} k
+  case $base in
+    fitune_seeds)                  fitune_case "$name" seeds ;;
+    fitune_qlora_seeds)            fitune_case "$name" qlora_seeds ;;
+    # variants of QLoRA plan 1: micro-batch 2 with 8-bit AdamW and checkpointing on the first K layers only;
+    # micro-batch 1 x 2 without checkpointing (where the OOM guard took the tight plan of commit 58459bd)
+    fitune_qlora_sel[0-9]*)        k=${base#fitune_qlora_sel}
+                                   fitune_case "$name" qlora_seeds --set batch_size=2 --set grad_accum=1 \
+                                     --set grad_checkpointing=selective:$k --set optimizer=adamw8bit ;;
+    fitune_qlora_m1a2)             fitune_case "$name" qlora_seeds --set batch_size=1 --set grad_accum=2 \
+                                     --set grad_checkpointing=none --set optimizer=adamw8bit ;;
+    unsloth_plain_lora_nogc_m1a2)  unsloth_case "$name" --loop plain --grad-checkpointing none --micro-batch 1 \
+                                     --grad-accum 2 ;;
+    unsloth_sft_qlora_gc_m2)       unsloth_case "$name" --loop sfttrainer "${QLORA[@]}" --grad-checkpointing unsloth \
+                                     --micro-batch 2 ;;
+    unsloth_plain_qlora_nogc_m1a2) unsloth_case "$name" --loop plain "${QLORA[@]}" --grad-checkpointing none \
+                                     --micro-batch 1 --grad-accum 2 ;;
+    unsloth_plain_qlora_gc_m2)     unsloth_case "$name" --loop plain "${QLORA[@]}" --grad-checkpointing unsloth \
+                                     --micro-batch 2 ;;
+    unsloth_plain_lora_nogc_m2)    unsloth_case "$name" --loop plain --grad-checkpointing none --micro-batch 2 ;;
+    hf_loop_liger_m1a2)            hf_loop_case "$name" --liger --grad-checkpointing none --micro-batch 1 \
+                                     --grad-accum 2 ;;
+    *) echo "[$name] not a case of this script" >&2 ;;
+  esac
+}
+
+# U32_ORDER: the cases to run, in this order, repeats named NAME-r2, NAME-r3 ... (medians of one call). Without it:
 # (a) LoRA r8 q,v: fitune's plan 1, then Unsloth's strongest seen (its model in a plain loop, no checkpointing,
 # micro-batch 1 x 2); (b) QLoRA r16 all-linear: fitune's plan 1, Unsloth's notebook path (SFTTrainer, its own
 # checkpointing, micro-batch 2), its plain loop without and with checkpointing; last, LoRA in the plain loop at
-# micro-batch 2 without checkpointing (likely out of memory)
-fitune_case  fitune_seeds                  seeds
-unsloth_case unsloth_plain_lora_nogc_m1a2  --loop plain --grad-checkpointing none --micro-batch 1 --grad-accum 2
-fitune_case  fitune_qlora_seeds            qlora_seeds
-unsloth_case unsloth_sft_qlora_gc_m2       --loop sfttrainer "${QLORA[@]}" --grad-checkpointing unsloth --micro-batch 2
-unsloth_case unsloth_plain_qlora_nogc_m1a2 --loop plain "${QLORA[@]}" --grad-checkpointing none --micro-batch 1 \
-  --grad-accum 2
-unsloth_case unsloth_plain_qlora_gc_m2     --loop plain "${QLORA[@]}" --grad-checkpointing unsloth --micro-batch 2
-unsloth_case unsloth_plain_lora_nogc_m2    --loop plain --grad-checkpointing none --micro-batch 2
-# Variants of QLoRA plan 1, only when named in U32_ONLY: micro-batch 2 with 8-bit AdamW and checkpointing on its
-# first K layers only (what fits the cap, how fast); micro-batch 1 x 2 without checkpointing (where the OOM guard
-# took the tight plan of commit 58459bd)
-for k in 2 3 4; do
-  [[ ",${U32_ONLY:-}," == *",fitune_qlora_sel$k,"* ]] && fitune_case fitune_qlora_sel$k qlora_seeds \
-    --set batch_size=2 --set grad_accum=1 --set grad_checkpointing=selective:$k --set optimizer=adamw8bit
-done
-[[ ",${U32_ONLY:-}," == *",fitune_qlora_m1a2,"* ]] && fitune_case fitune_qlora_m1a2 qlora_seeds \
-  --set batch_size=1 --set grad_accum=2 --set grad_checkpointing=none --set optimizer=adamw8bit
+# micro-batch 2 without checkpointing (likely out of memory). U32_ONLY filters either list.
+ORDER=${U32_ORDER:-fitune_seeds,unsloth_plain_lora_nogc_m1a2,fitune_qlora_seeds,unsloth_sft_qlora_gc_m2,unsloth_plain_qlora_nogc_m1a2,unsloth_plain_qlora_gc_m2,unsloth_plain_lora_nogc_m2,fitune_qlora_sel2,fitune_qlora_sel3,fitune_qlora_sel4,fitune_qlora_m1a2}
+[ -z "${U32_ORDER:-}" ] && [ -z "${U32_ONLY:-}" ] && ORDER=${ORDER%%,fitune_qlora_sel2*}  # variants: when named
+for c in ${ORDER//,/ }; do run_named "$c"; done
 
 for f in "$LOGS"/*.log; do echo "==== $f"; grep -v "could not be imported\|Install it with" "$f" | tail -25; done \
   > "$OUT/logs_tail.txt" 2>&1
