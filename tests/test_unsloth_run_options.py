@@ -175,11 +175,35 @@ def test_rank_check_trains_plan_1_only_of_a_call_workload():
     assert refused.returncode == 2 and "--plans" in refused.stderr
 
 
+def _dispatch(env: dict) -> list[str]:
+    """The call script's case table and order run with its three runners replaced by `echo`: what it would run."""
+    text = open(os.path.join(ROOT, "bench", "calls", "issue32_unsloth.sh"), encoding="utf-8").read()
+    table = text[text.index("run_named() {"):text.index("for f in \"$LOGS\"/*.log")]
+    stubs = ("QLORA=(--qlora --lora-rank 16 --lora-targets all-linear)\n"
+             "fitune_case() { echo \"fitune $*\"; }\nunsloth_case() { echo \"unsloth $*\"; }\n"
+             "hf_loop_case() { echo \"hf_loop $*\"; }\n")
+    proc = subprocess.run(["bash", "-c", stubs + table], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
 def test_the_call_script_parses_and_runs_its_cases_in_order():
     path = os.path.join(ROOT, "bench", "calls", "issue32_unsloth.sh")
     assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
     text = open(path, encoding="utf-8").read()
-    cases = [line.split()[1] for line in text.splitlines() if line.startswith(("fitune_case ", "unsloth_case "))]
-    assert cases == ["fitune_seeds", "unsloth_plain_lora_nogc_m1a2", "fitune_qlora_seeds", "unsloth_sft_qlora_gc_m2",
-                     "unsloth_plain_qlora_nogc_m1a2", "unsloth_plain_qlora_gc_m2", "unsloth_plain_lora_nogc_m2"]
+    assert [line.split()[1] for line in _dispatch({})] == [
+        "fitune_seeds", "unsloth_plain_lora_nogc_m1a2", "fitune_qlora_seeds", "unsloth_sft_qlora_gc_m2",
+        "unsloth_plain_qlora_nogc_m1a2", "unsloth_plain_qlora_gc_m2", "unsloth_plain_lora_nogc_m2"]
     assert "PEERS_BUDGET_S:-560" in text and "probe_setup" in text
+
+
+def test_the_call_script_runs_a_named_order_with_repeats_and_variants():
+    lines = _dispatch({"U32_ORDER": "fitune_qlora_seeds,unsloth_plain_qlora_nogc_m1a2-r2,fitune_qlora_sel3,"
+                                    "hf_loop_liger_m1a2,fitune_qlora_m1a2"})
+    assert lines[0] == "fitune fitune_qlora_seeds qlora_seeds"
+    assert lines[1].startswith("unsloth unsloth_plain_qlora_nogc_m1a2-r2 --loop plain --qlora")  # a repeat, same flags
+    assert lines[2] == ("fitune fitune_qlora_sel3 qlora_seeds --set batch_size=2 --set grad_accum=1 "
+                        "--set grad_checkpointing=selective:3 --set optimizer=adamw8bit")
+    assert lines[3] == "hf_loop hf_loop_liger_m1a2 --liger --grad-checkpointing none --micro-batch 1 --grad-accum 2"
+    assert "--set batch_size=1 --set grad_accum=2" in lines[4]
