@@ -88,9 +88,12 @@ def seeds_rows(root: str) -> list[Row]:
 
 
 UNSLOTH_CALL = os.path.join("bench", "results", "issue32", "unsloth")
-"""Issue 32's call against Unsloth's setups: the seeds' LoRA and QLoRA r16 all-linear, fitune's plan 1 of each."""
-QLORA_CALL = os.path.join("bench", "results", "issue32", "qlora_replan")
-"""QLoRA again after the OOM guard's fix, fitune beside Unsloth's fastest QLoRA setup of UNSLOTH_CALL."""
+"""Issue 32's call against Unsloth's setups: the seeds' LoRA and QLoRA r16 all-linear, fitune's plan 1 of each, and
+three QLoRA setups of Unsloth (its SFTTrainer; its model in a plain loop with and without its checkpointing)."""
+SAMEDAY_CALL = os.path.join("bench", "results", "issue32", "sameday")
+"""Both workloads again in one call, each stack run twice (medians): fitune's plan 1 along the user's path (QLoRA's
+now micro-batch 2 with checkpointing on its first layers only), Unsloth's fastest setup of each workload in
+UNSLOTH_CALL, HF + Liger in a plain loop; and fitune's QLoRA at micro-batch 1 x 2 (the old plan's fallback)."""
 
 
 def _unsloth_words(rec: dict) -> str:
@@ -100,33 +103,47 @@ def _unsloth_words(rec: dict) -> str:
     return f"{loop}, {gc}, micro-batch {rec['micro_batch_size']} x {rec['grad_accum']}"
 
 
-def _fitune_of(root: str, folder: str, workload: str) -> dict:
-    (r,) = [x for x in _lines(root, folder, "rank_check.jsonl") if x["workload"] == workload]
-    return r
+def _runs_of(recs: list[dict], case: str, key: str) -> list[float]:
+    """The figures of a case and its repeats (`case`, `case-r2`, ...) in one call, in run order."""
+    return [r[key] for r in recs if r.get("case") is not None and r["case"].split("-r")[0] == case]
+
+
+def _median_words(runs: list[float]) -> str:
+    return f"{_n(statistics.median(runs))} (median of {len(runs)}: {', '.join(_n(x) for x in runs)})"
 
 
 def unsloth_rows(root: str) -> list[Row]:
-    """The seeds' workload and QLoRA r16 against Unsloth's setups (issue 32): fitune's plan 1 along the user's path
-    against Unsloth's fastest setup that fit, same call."""
-    peers = _lines(root, UNSLOTH_CALL, "peers.jsonl")
-    lora = [r for r in peers if r["method"] == "lora"]
-    fitune, best = _fitune_of(root, UNSLOTH_CALL, "seeds"), _strongest(lora)
-    rows = [Row(f"{SEEDS} ({_call_label('issue 32', fitune)})", f"**{_n(fitune['tokens_per_s_median'])}**",
-                f"Unsloth ({_unsloth_words(best)}) {_n(best['tokens_per_s'])}: the fastest of its {len(lora)} LoRA "
-                f"setups run, {sum(r['fits'] for r in lora)} of which fit (HF + Liger not run in this call)",
-                _vs(fitune["tokens_per_s_median"], best["tokens_per_s"]), _link(UNSLOTH_CALL))]
-    searched = [r for r in peers if r["method"] == "qlora"]
-    first, top = _fitune_of(root, UNSLOTH_CALL, "qlora_seeds"), _strongest(searched)
-    again = _fitune_of(root, QLORA_CALL, "qlora_seeds")
-    (peer,) = [r for r in _lines(root, QLORA_CALL, "peers.jsonl") if r["case"] == top["case"]]
-    planned, ran = again["setup"]["batch_size"], again["micro_batch_sizes"]
-    how = (f"plan 1, micro-batch {planned}: out of memory in step 1, continued at {ran[0]} x {planned // ran[0]}"
-           if ran != [planned] else f"plan 1, micro-batch {planned}")
-    rows.append(Row(f"{QLORA} ({_call_label('issue 32', again)})", f"**{_n(again['tokens_per_s_median'])}** ({how})",
-                    f"Unsloth's fastest of {len(searched)} QLoRA setups in {_link(UNSLOTH_CALL)} (there "
-                    f"{_n(top['tokens_per_s'])} against fitune's {_n(first['tokens_per_s_median'])}: both slower on "
-                    f"that call's machine), here: {_unsloth_words(peer)}, {_n(peer['tokens_per_s'])}",
-                    _vs(again["tokens_per_s_median"], peer["tokens_per_s"]), _link(QLORA_CALL)))
+    """The seeds' workload and QLoRA r16 against Unsloth's strongest setups (issue 32), medians of one call: fitune's
+    plan 1 along the user's path; Unsloth's fastest setup of each workload (searched in UNSLOTH_CALL); HF + Liger."""
+    fitune = _lines(root, SAMEDAY_CALL, "rank_check.jsonl")
+    peers = _lines(root, SAMEDAY_CALL, "peers.jsonl")
+    searched = _lines(root, UNSLOTH_CALL, "peers.jsonl")
+    rows = []
+    for what, workload, method, case in ((SEEDS, "seeds", "lora", "fitune_seeds"),
+                                         (QLORA, "qlora_seeds", "qlora", "fitune_qlora_seeds")):
+        mine = _runs_of(fitune, case, "tokens_per_s_median")
+        top = _strongest([r for r in searched if r["method"] == method])
+        theirs = _runs_of(peers, top["case"], "tokens_per_s")
+        (peer,) = [r for r in peers if r.get("case") == top["case"]]
+        (first,) = [r for r in fitune if r.get("case") == case]
+        setup = first["setup"]
+        ckpt = setup["grad_checkpointing"]
+        plan = (f"plan 1: micro-batch {setup['batch_size']} x {setup['grad_accum']}, "
+                + ("no checkpointing" if ckpt == "none" else f"checkpointing {ckpt}"))
+        others = []
+        if method == "lora":
+            liger = [r["tokens_per_s"] for r in peers if r["stack"] == "hf_loop_liger"]
+            others.append(f"{STACK_NAMES['hf_loop_liger']} (no checkpointing, 1 x 2) {_n(liger[0])}: fitune "
+                          f"{statistics.median(mine) / liger[0]:.2f}x")
+        else:
+            old = _runs_of(fitune, "fitune_qlora_m1a2", "tokens_per_s_median")
+            others.append(f"fitune at micro-batch 1 x 2 without checkpointing (the old plan's fallback) {_n(old[0])}")
+        n_searched = len([r for r in searched if r["method"] == method])
+        rows.append(Row(f"{what} ({_call_label('issue 32', first)})",
+                        f"**{_median_words(mine)}** ({plan})",
+                        f"Unsloth ({_unsloth_words(peer)}) {_median_words(theirs)}: its fastest of {n_searched} "
+                        f"setups searched in {_link(UNSLOTH_CALL)}; " + "; ".join(others),
+                        _vs(statistics.median(mine), statistics.median(theirs)), _link(SAMEDAY_CALL)))
     return rows
 
 
