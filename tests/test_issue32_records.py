@@ -312,3 +312,18 @@ def test_the_same_day_call_medians_and_the_selective_plan():
     est = estimate(load_model_spec("llama-3.1-8b"), TrainSetup.from_dict(s), resolve_gpu("rtx4090"))
     assert abs(est.peak_allocated_bytes / plan["peak_allocated_bytes"] - 1) < 0.005
     assert abs(est.peak_reserved_bytes / plan["peak_reserved_bytes"] - 1) < 0.05
+
+
+def test_todays_planner_proposes_the_plans_the_same_day_call_ran():
+    """The records stand for today's planner: for both workloads, with what the GPU machine had (Triton: compiled
+    layers), plan 1 is the setup the call trained."""
+    from fitune.plan import PlanRequest, plan
+    from fitune.specs import load_model_spec, resolve_gpu
+
+    runs = {r["case"]: r for r in _lines("issue32", "sameday", "rank_check.jsonl")}
+    model, gpu = load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090")
+    forum = plan(PlanRequest(model, gpu, batch_size=2, seq_len_tokens=2048, compile="layers")).plans[0]
+    qlora = plan(PlanRequest(model, gpu, batch_size=2, seq_len_tokens=2048, methods=("qlora",), lora_rank=16,
+                             lora_targets=("all-linear",), compile="layers")).plans[0]
+    assert forum.setup.to_dict() == runs["fitune_seeds"]["setup"]
+    assert qlora.setup.to_dict() == runs["fitune_qlora_seeds"]["setup"]

@@ -2,10 +2,10 @@
 
 `python -m fitune.train.quickstart --real FOLDER` writes the task: every answer starts with "Ahoy, matey!" and ends
 with "Fair winds, Captain Byte", judged from the generated text alone (`follows_persona`). The slow test runs what a
-user runs (the `fitune` CLI in a subprocess): the base model follows the persona on no more than 10 % of the
-held-out prompts, `fitune train FOLDER/run.yaml` (LoRA, on the GGUF file itself), then `fitune generate` on the run
-gets at least 90 % right, and the merged model (`fitune merge`) and the exported GGUF (`fitune export --gguf f16`,
-read back by `fitune generate`) give the same answers.
+user runs (the `fitune` CLI in a subprocess): the base model follows the persona on none of the first 8 held-out
+prompts, `fitune train FOLDER/run.yaml` (LoRA, on the GGUF file itself), then `fitune generate` on the run gets at
+least 90 % of the 32 right, and the merged model (`fitune merge`) and the exported GGUF (`fitune export --gguf f16`,
+read back by `fitune generate`) give the same answers on the first 8.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fitune.train import quickstart
 from fitune.train.quickstart import PERSONA_GREETING, PERSONA_SIGN_OFF, follows_persona
 
 MAX_NEW_TOKENS = 48  # a persona answer is ~30 tokens; the base model's answers are cut here
+SPOT_CHECK = 8  # held-out prompts the base, merged and exported models answer (the trained run answers all 32)
 
 
 SMOLLM2_135M_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576,
@@ -136,21 +137,25 @@ def test_lora_on_the_cpu_teaches_the_real_model_its_persona(tmp_path, real_gguf)
     prompts, run = folder / "prompts.jsonl", folder / "run"
     n = len(_lines(prompts))
 
-    base = _answers(real_gguf, prompts, tmp_path / "base.jsonl")
-    assert _score("base", base) <= 0.1 * n  # a generic instruct model never greets or signs off like this
+    # the base model, the merged model and the exported file answer the first SPOT_CHECK prompts (CI's time: each
+    # `fitune generate` over all 32 costs 15-45 s on two cores); the trained run answers all of them
+    spot = tmp_path / "spot.jsonl"
+    spot.write_text("".join(json.dumps(p) + "\n" for p in _lines(prompts)[:SPOT_CHECK]))
+    base = _answers(real_gguf, spot, tmp_path / "base.jsonl")
+    assert _score("base", base) == 0  # a generic instruct model never greets or signs off like this
 
     _fitune("train", str(folder / "run.yaml"), "--no-progress")
     trained = _answers(str(run), prompts, tmp_path / "trained.jsonl")
     assert _score("trained", trained) >= 0.9 * n  # 29 of 32
 
     _fitune("merge", str(run), "--out", str(tmp_path / "merged"))
-    merged = _answers(str(tmp_path / "merged"), prompts, tmp_path / "merged.jsonl")
+    merged = _answers(str(tmp_path / "merged"), spot, tmp_path / "merged.jsonl")
     _score("merged", merged)
-    assert merged == trained  # fp32 merge: the same greedy tokens
+    assert merged == trained[:SPOT_CHECK]  # fp32 merge: the same greedy tokens
 
     gguf = tmp_path / "persona.f16.gguf"
     _fitune("export", str(run), "--gguf", "f16", "--out", str(gguf))
-    exported = _answers(str(gguf), prompts, tmp_path / "gguf.jsonl")
+    exported = _answers(str(gguf), spot, tmp_path / "gguf.jsonl")
     _score("gguf f16", exported)
-    assert [follows_persona(a) for a in exported] == [follows_persona(a) for a in trained]
-    print(f"gguf f16: {sum(a == b for a, b in zip(exported, trained))}/{n} answers word for word the same")
+    assert [follows_persona(a) for a in exported] == [follows_persona(a) for a in trained[:SPOT_CHECK]]
+    print(f"gguf f16: {sum(a == b for a, b in zip(exported, trained))}/{SPOT_CHECK} answers word for word the same")

@@ -77,7 +77,7 @@ RUNNABLE_CHECKPOINTING = ("none", "full", "offload")
 #: SELECTIVE_TRIES tried, a few full estimates each (SELECTIVE_CONFIRMS), K at most SELECTIVE_MAX_SHARE of the
 #: layers: past half, a smaller micro-batch or full checkpointing costs less than recomputing that many layers.
 SELECTIVE_TWINS = 2
-SELECTIVE_TRIES = 4
+SELECTIVE_TRIES = 3
 SELECTIVE_CONFIRMS = 3
 SELECTIVE_MAX_SHARE = 0.5
 #: Losses fitune's runner runs: transformers' (full fp32 logits) and its chunked linear + cross-entropy.
@@ -523,6 +523,11 @@ def _selective_twins(req: PlanRequest, fast: FastEstimator, search: _Search) -> 
     tight = [g for g in search.accepted if g.estimate is not None and g.estimate.peak_reserved_bytes > (1 - TIGHT_SHARE) * budget]
     candidates = [g for g in search.infeasible + tight if g.ckpt == "none" and not g.offload_embeddings
                   and g.score > roomy.get(g.method, 0.0)]
+    if "chunked" in req.losses:  # the twin of either loss is the chunked one: the lighter, at a launch's cost
+        lighter = {}
+        for g in sorted(candidates, key=lambda g: -g.score):
+            lighter.setdefault(_loss_key(g), dataclasses.replace(g, loss="chunked"))
+        candidates = list(lighter.values())
     twins: list[_Group] = []
     without: list[_Group] = []  # candidates no K up to SELECTIVE_MAX_SHARE makes fit: heavier ones are skipped
     for g in sorted(candidates, key=lambda g: -g.score):
@@ -551,7 +556,9 @@ def _selective_twin(req: PlanRequest, fast: FastEstimator, g: _Group) -> _Group 
         per_layer = (none.peak_allocated_bytes - full.peak_allocated_bytes) / layers
         if per_layer <= 0 or full.peak_reserved_bytes > target:
             continue
-        k = max(1, math.ceil((none.peak_reserved_bytes - target) / per_layer))
+        if none.peak_reserved_bytes <= target:
+            return None  # it has a plan's room without checkpointing: no twin to make
+        k = math.ceil((none.peak_reserved_bytes - target) / per_layer)
         for _ in range(SELECTIVE_CONFIRMS):
             if k > SELECTIVE_MAX_SHARE * layers:
                 break
