@@ -92,9 +92,6 @@ def main() -> int:
                    help="put this SDPA backend first for the whole run (torch.nn.attention.sdpa_kernel set_priority)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                    help="a key of the written plan changed before training (e.g. compile=none)")
-    p.add_argument("--config", help="profile this written plan (e.g. the real-length call's plan.yaml, its data and "
-                                    "model as they are) instead of --workload's: its steps and output folder are set "
-                                    "here")
     args = p.parse_args()
 
     import torch
@@ -102,19 +99,11 @@ def main() -> int:
 
     from bench.rank_check import write_plan_config
 
-    if args.config:  # the record's workload: the folder the plan was written in (fitune: the real-length call's)
-        args.workload = "config:" + os.path.basename(os.path.dirname(os.path.abspath(args.config)))
     name = args.workload + (f".{args.sdpa_first}" if args.sdpa_first != "default" else "") + \
         "".join(f".{kv}" for kv in args.set)
     safe = re.sub(r"[^\w.=-]", "_", name)
     work = os.path.join(args.out, "work", safe)
-    if args.config:
-        os.makedirs(work, exist_ok=True)
-        cfg = yaml.safe_load(open(args.config))
-        cfg.update({"max_steps": args.steps, "output_dir": os.path.join(work, "run")})
-        path = os.path.join(work, "plan.yaml")
-    else:
-        path, cfg = write_plan_config(work, args.workload, args.pick, args.steps, args.cap)
+    path, cfg = write_plan_config(work, args.workload, args.pick, args.steps, args.cap)
     for kv in args.set:
         key, value = kv.split("=", 1)
         cfg[key] = yaml.safe_load(value)
