@@ -41,6 +41,10 @@ CALL_WORKLOADS = {
     # (bench/calls/issue32_unsloth.sh)
     "qlora_seeds": ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "qlora",
                     "--lora-rank", "16", "--lora-targets", "all-linear"],
+    # the seeds' workload planned without compiled layers or Liger (a CUDA machine without Triton): plan 1 keeps
+    # checkpointing on the first layers only, plan 2 recomputes every layer at micro-batch 2 (docs/plan.md)
+    "seeds_eager": ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--kernels", "torch",
+                    "--compile", "none"],
 }
 """Workloads other calls train along the same path (`--workload NAME --plans 1`), outside issue 12's record."""
 
