@@ -837,6 +837,8 @@ def test_fallback_setup_is_what_the_oom_guard_runs():
     assert (fallback_setup(s).batch_size, fallback_setup(s).grad_accum) == (2, 2)
     odd = s.replace(batch_size=3, grad_accum=2)
     assert (fallback_setup(odd).batch_size, fallback_setup(odd).grad_accum) == (1, 6)
+    five = s.replace(batch_size=5, grad_accum=2)  # each batch of 5 runs as 2 + 2 + 1 (parallel/data.py's split)
+    assert (fallback_setup(five).batch_size, fallback_setup(five).grad_accum) == (2, 6)
     one = s.replace(batch_size=1, grad_accum=2, grad_checkpointing="none")
     assert fallback_setup(one).grad_checkpointing == "full" and fallback_setup(one).grad_accum == 2
     assert fallback_setup(one.replace(grad_checkpointing="full")) is None

@@ -13,7 +13,8 @@ from ..plan import PlanRequest, plan, policy
 from ..plan.data import choose_seq_len, profile_data
 from ..plan.emit import PLACEHOLDER_DATA, hf_code, model_location, plan_yaml
 from ..plan.policy import available_attns, resolve_host_ram  # noqa: F401 - the names callers and tests import
-from ..plan.search import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, describe, kept_as_given, micro_batch_candidates
+from ..plan.search import (MAX_GRAD_ACCUM, MAX_MICRO_BATCH, describe, fallback_setup, kept_as_given,
+                           micro_batch_candidates)
 from ..report import add_html_argument, maybe_write_html
 from ..schema import Problems, add_arguments, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
@@ -413,14 +414,13 @@ def plan_to_json(p, rank: int) -> dict:
 
 
 def _tight_fallback(s) -> str:
-    """What `fitune train` does when a tight plan's step runs out of memory (its OOM guard: train/loop.py
-    `_replan`), said where the plan is shown. Measured: QLoRA r16 all-linear's tight plan 1 ran out of memory in step
-    1 and went on at micro-batch 1 (docs/speed.md)."""
-    if not s.stack == "fitune":
-        return ""  # the user's own loop has no guard
-    if s.batch_size > 1:
-        return (f"; if a step runs out of memory, `fitune train` runs it again at micro-batch {max(1, s.batch_size // 2)}"
+    """What `fitune train` does when a tight plan's step runs out of memory (its OOM guard, as
+    fitune/plan/search.py `fallback_setup` states it), said where the plan is shown. Measured: QLoRA r16 all-linear's
+    tight plan 1 ran out of memory in step 1 and went on at micro-batch 1 (docs/speed.md)."""
+    fallback = fallback_setup(s)
+    if fallback is None:
+        return ""  # the user's own loop has no guard, or nothing lighter is left
+    if fallback.batch_size < s.batch_size:
+        return (f"; if a step runs out of memory, `fitune train` runs it again at micro-batch {fallback.batch_size}"
                 " (same data, same effective batch)")
-    if s.grad_checkpointing == "none":
-        return "; if a step runs out of memory, `fitune train` runs it again with checkpointing (same data)"
-    return ""
+    return "; if a step runs out of memory, `fitune train` runs it again with checkpointing (same data)"

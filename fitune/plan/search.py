@@ -91,6 +91,8 @@ SPEED_TIE = 0.01
 
 _METHOD_MEMORY = {"qlora": 0, "lora": 1, "full": 2}  # freeze is not ordered against the others
 _CKPT_MEMORY = {"offload": -1, "full": 0, "none": 1}
+_ATTN_MEMORY = {"sdpa": 0, "eager": 1}  # flash is compared only with itself
+METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
 
 
 def _ckpt_memory(ckpt: str) -> tuple[float, int]:
@@ -98,8 +100,6 @@ def _ckpt_memory(ckpt: str) -> tuple[float, int]:
     if ckpt.startswith("selective:"):
         return 0.5, -int(ckpt.partition(":")[2])
     return _CKPT_MEMORY[ckpt], 0
-_ATTN_MEMORY = {"sdpa": 0, "eager": 1}  # flash is compared only with itself
-METHOD_LABELS = {"lora": "LoRA", "qlora": "QLoRA", "full": "full fine-tune", "freeze": "freeze"}
 
 
 def kept_as_given(methods, lora_rank: int, lora_targets) -> str:
@@ -515,12 +515,13 @@ def _selective_twins(req: PlanRequest, fast: FastEstimator, search: _Search) -> 
     setup is predicted faster than every roomy plan of its method (see SELECTIVE_TWINS)."""
     if req.keep_outputs:
         return []  # the user's own loop: transformers' checkpointing is all or nothing
-    budget = search.budget
-    roomy = {}
-    for g in search.accepted:
-        if g.estimate is not None and g.estimate.peak_reserved_bytes <= (1 - TIGHT_SHARE) * budget:
+    room = (1 - TIGHT_SHARE) * search.budget  # the reserved peak of a plan that is not tight, at most
+    measured = [g for g in search.accepted if g.estimate is not None]
+    roomy: dict[str, float] = {}
+    for g in measured:
+        if g.estimate.peak_reserved_bytes <= room:
             roomy[g.method] = max(roomy.get(g.method, 0.0), g.score)
-    tight = [g for g in search.accepted if g.estimate is not None and g.estimate.peak_reserved_bytes > (1 - TIGHT_SHARE) * budget]
+    tight = [g for g in measured if g.estimate.peak_reserved_bytes > room]
     candidates = [g for g in search.infeasible + tight if g.ckpt == "none" and not g.offload_embeddings
                   and g.score > roomy.get(g.method, 0.0)]
     if "chunked" in req.losses:  # the twin of either loss is the chunked one: the lighter, at a launch's cost
@@ -914,11 +915,9 @@ def fallback_setup(s: TrainSetup) -> TrainSetup | None:
     neither is left (or the user's own loop, which has no guard)."""
     if s.stack != "fitune":
         return None
-    if s.batch_size > 1:
-        total = s.batch_size * s.grad_accum
-        micro = max(1, s.batch_size // 2)
-        return s.replace(batch_size=micro, grad_accum=total // micro) if total % micro == 0 else \
-            s.replace(batch_size=1, grad_accum=total)
+    if s.batch_size > 1:  # each batch splits into micro-batches of half its size (an odd one: the last is smaller)
+        micro = s.batch_size // 2
+        return s.replace(batch_size=micro, grad_accum=math.ceil(s.batch_size / micro) * s.grad_accum)
     if s.grad_checkpointing == "none":
         return s.replace(grad_checkpointing="full")
     return None
