@@ -95,20 +95,14 @@ def main() -> int:
     args = p.parse_args()
 
     import torch
-    import yaml
 
-    from bench.rank_check import write_plan_config
+    from bench.rank_check import parse_overrides, write_plan_config
 
     name = args.workload + (f".{args.sdpa_first}" if args.sdpa_first != "default" else "") + \
         "".join(f".{kv}" for kv in args.set)
     safe = re.sub(r"[^\w.=-]", "_", name)
     work = os.path.join(args.out, "work", safe)
-    path, cfg = write_plan_config(work, args.workload, args.pick, args.steps, args.cap)
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        cfg[key] = yaml.safe_load(value)
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
+    path, cfg = write_plan_config(work, args.workload, args.pick, args.steps, args.cap, parse_overrides(args.set))
 
     import fitune.train.loop as loop
 
