@@ -76,7 +76,48 @@ def summarize(trace_path: str, wall_s: float, steps: int) -> dict:
             "gpu_busy_s": busy_us / 1e6, "gpu_idle_fraction": 1 - busy_us / 1e6 / wall_s if wall_s else None,
             "kernel_s_per_kind": {k: round(v, 6) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
             "kernels": len(gpu),
-            "top_kernels": [{"name": n, "count": c, "s": round(t, 6), "kind": k} for n, (c, t, k) in top]}
+            "top_kernels": [{"name": n, "count": c, "s": round(t, 6), "kind": k} for n, (c, t, k) in top],
+            **idle_gaps(events, spans)}
+
+
+GAP_BINS_US = (10, 50, 200, 1000)
+"""Idle gaps between the GPU's kernels by length: under 10 us is one kernel waiting for the next launch; longer ones
+are the host falling behind (Python, a guard check, a sync)."""
+
+
+def idle_gaps(events: list[dict], spans: list[tuple[float, float]], top: int = 25) -> dict:
+    """Where the GPU waits: its idle time between kernels by gap length (`idle_s_by_gap_us`: upper bound in us ->
+    seconds), and the host operations running during the gaps of 10 us or more (`host_ops_in_gaps`: the CPU
+    operation's name, the seconds of gap it overlaps, how many gaps), longest first. An operation that spans many
+    gaps (the autograd engine's, a compiled region's) names the phase; a short one the cause."""
+    gaps = []
+    end = None
+    for a, b in spans:  # sorted by start
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    by_bin: dict[str, float] = {}
+    for a, b in gaps:
+        label = next((f"<{x}" for x in GAP_BINS_US if b - a < x), f">={GAP_BINS_US[-1]}")
+        by_bin[label] = by_bin.get(label, 0.0) + (b - a) / 1e6
+    long_gaps = [(a, b) for a, b in gaps if b - a >= GAP_BINS_US[0]]
+    host = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e
+                   and not str(e["name"]).startswith("ProfilerStep")))
+    starts = [h[0] for h in host]
+    overlap: dict[str, list] = {}
+    import bisect
+
+    for a, b in long_gaps:
+        for h0, h1, name in host[:bisect.bisect_left(starts, b)]:
+            o = min(b, h1) - max(a, h0)
+            if o > 0:
+                entry = overlap.setdefault(str(name)[:120], [0.0, 0])
+                entry[0] += o / 1e6
+                entry[1] += 1
+    ranked = sorted(overlap.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"idle_s_by_gap_us": {k: round(v, 6) for k, v in by_bin.items()},
+            "host_ops_in_gaps": [{"name": n, "s": round(t, 6), "gaps": c} for n, (t, c) in ranked]}
 
 
 def main() -> int:

@@ -39,3 +39,23 @@ def test_busy_time_is_the_union_of_kernels(tmp_path):
     assert s["kernels"] == 3
     assert s["kernel_s_per_kind"] == {"matmul": 100e-6, "compiled": 100e-6, "copy_fill": 50e-6}
     assert s["top_kernels"][0]["kind"] in ("matmul", "compiled")
+
+
+def test_idle_gaps_by_length_and_the_host_operations_running_in_them(tmp_path):
+    events = [  # kernels 0-100, 105-200 (a 5 us gap), 700-800 (a 500 us gap), 2000-2100 (a 1200 us gap)
+        {"cat": "kernel", "name": "nvjet_a", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "nvjet_b", "ts": 105, "dur": 95},
+        {"cat": "kernel", "name": "triton_poi_c", "ts": 700, "dur": 100},
+        {"cat": "kernel", "name": "nvjet_d", "ts": 2000, "dur": 100},
+        {"cat": "cpu_op", "name": "TorchDynamo Cache Lookup", "ts": 250, "dur": 400},  # 400 us of the 500 us gap
+        {"cat": "cpu_op", "name": "aten::item", "ts": 900, "dur": 1000},  # 1000 us of the 1200 us gap
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 101, "dur": 3},  # only in the 5 us gap: not counted
+        {"cat": "cpu_op", "name": "ProfilerStep#5", "ts": 0, "dur": 2100},  # the profiler's own span: left out
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize(str(path), wall_s=2100e-6, steps=1)
+    assert s["idle_s_by_gap_us"] == {"<10": 5e-6, "<1000": 500e-6, ">=1000": 1200e-6}
+    assert s["host_ops_in_gaps"] == [{"name": "aten::item", "s": 0.001, "gaps": 1},
+                                     {"name": "TorchDynamo Cache Lookup", "s": 0.0004, "gaps": 1}]
