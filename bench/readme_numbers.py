@@ -112,6 +112,34 @@ def _median_words(runs: list[float]) -> str:
     return f"{_n(statistics.median(runs))} (median of {len(runs)}: {', '.join(_n(x) for x in runs)})"
 
 
+def mfu_words(tokens_per_s: float, rec: dict) -> str:
+    """`MFU 56.4 %`: the model FLOP/s of `tokens_per_s` (fitune/perf/flops.py `mfu`: no recomputation counted, frozen
+    weights without weight gradients) over the dense bf16 peak of the GPU the record names (fitune's catalog). `rec`
+    is a fitune record of the workload: its setup gives the model, method and row length every stack trained."""
+    from fitune.perf.flops import mfu
+    from fitune.setup import TrainSetup
+    from fitune.specs.gpu import resolve_gpu
+    from fitune.specs.model import load_model_spec
+
+    gpu = resolve_gpu(rec["provenance"]["gpu"]["name"])
+    share = mfu(tokens_per_s, load_model_spec(rec["model"]), TrainSetup.from_dict(rec["setup"]), gpu.peak_bf16_tflops)
+    return f"MFU {100 * share:.1f} %"
+
+
+def linear_mfu_words(positions_per_s: float, model: str, gpu_name: str) -> str:
+    """`MFU 55.1 % (linear layers)`: LoRA's FLOPs in the model's linear layers (a forward and an input gradient, 4
+    FLOPs per weight per token: fitune/perf/flops.py `forward_flops_per_token`) at `positions_per_s` token positions
+    a second, over the GPU's dense bf16 peak. For packed rows, whose attention FLOPs depend on each segment's length
+    (about 1 % of the step at a median of 300 tokens), left out: a lower bound."""
+    from fitune.perf.flops import forward_flops_per_token
+    from fitune.specs.gpu import resolve_gpu
+    from fitune.specs.model import load_model_spec
+
+    linear, _ = forward_flops_per_token(load_model_spec(model), 0)
+    return f"MFU {100 * positions_per_s * 2 * linear / (resolve_gpu(gpu_name).peak_bf16_tflops * 1e12):.1f} % " \
+        "(linear layers)"
+
+
 def unsloth_rows(root: str) -> list[Row]:
     """The seeds' workload and QLoRA r16 against Unsloth's strongest setups (issue 32), medians of one call: fitune's
     plan 1 along the user's path; Unsloth's fastest setup of each workload (searched in UNSLOTH_CALL); HF + Liger."""
@@ -133,15 +161,16 @@ def unsloth_rows(root: str) -> list[Row]:
         others = []
         if method == "lora":
             liger = [r["tokens_per_s"] for r in peers if r["stack"] == "hf_loop_liger"]
-            others.append(f"{STACK_NAMES['hf_loop_liger']} (no checkpointing, 1 x 2) {_n(liger[0])}: fitune "
-                          f"{statistics.median(mine) / liger[0]:.2f}x")
+            others.append(f"{STACK_NAMES['hf_loop_liger']} (no checkpointing, 1 x 2) {_n(liger[0])} "
+                          f"({mfu_words(liger[0], first)}): fitune {statistics.median(mine) / liger[0]:.2f}x")
         else:
             old = _runs_of(fitune, "fitune_qlora_m1a2", "tokens_per_s_median")
             others.append(f"fitune at micro-batch 1 x 2 without checkpointing (the old plan's fallback) {_n(old[0])}")
         n_searched = len([r for r in searched if r["method"] == method])
         rows.append(Row(f"{what} ({_call_label('issue 32', first)})",
-                        f"**{_median_words(mine)}** ({plan})",
-                        f"Unsloth ({_unsloth_words(peer)}) {_median_words(theirs)}: its fastest of {n_searched} "
+                        f"**{_median_words(mine)}** ({plan}; {mfu_words(statistics.median(mine), first)})",
+                        f"Unsloth ({_unsloth_words(peer)}) {_median_words(theirs)} "
+                        f"({mfu_words(statistics.median(theirs), first)}): its fastest of {n_searched} "
                         f"setups searched in {_link(UNSLOTH_CALL)}; " + "; ".join(others),
                         _vs(statistics.median(mine), statistics.median(theirs)), _link(SAMEDAY_CALL)))
     return rows
@@ -189,7 +218,12 @@ def real_length_rows(root: str) -> list[Row]:
     peer = (f"{STACK_NAMES[best['stack']]} ({_setup_words(best)}) {_n(best['trained_tokens_per_s'])}: the fastest of "
             f"{len(searched)} peer setups searched in {_link(REAL_LENGTH_SEARCH)} ({searched[0]['steps']} steps), "
             f"{sum(1 for r in searched if r['fits'])} of which fit; " + "; ".join(others) + " there")
-    return [Row(f"{real} ({label})", f"**{_n(fitune)}** (median of {len(mine)} runs: {runs})", peer,
+    gpu = recs[0]["provenance"]["gpu"]["name"]
+    positions = statistics.median(r["nonpad_tokens_per_s"] for r in recs if r["stack"] == "fitune" and r["fits"])
+    peer = peer.replace(f" {_n(best['trained_tokens_per_s'])}: ", f" {_n(best['trained_tokens_per_s'])} "
+                        f"({linear_mfu_words(best['nonpad_tokens_per_s'], 'llama-3.1-8b', gpu)}): ", 1)
+    return [Row(f"{real} ({label})", f"**{_n(fitune)}** (median of {len(mine)} runs: {runs}; "
+                f"{linear_mfu_words(positions, 'llama-3.1-8b', gpu)})", peer,
                 _vs(fitune, best["trained_tokens_per_s"]), _link(REAL_LENGTH_CALL))]
 
 

@@ -327,3 +327,31 @@ def test_todays_planner_proposes_the_plans_the_same_day_call_ran():
                              lora_targets=("all-linear",), compile="layers")).plans[0]
     assert forum.setup.to_dict() == runs["fitune_seeds"]["setup"]
     assert qlora.setup.to_dict() == runs["fitune_qlora_seeds"]["setup"]
+
+
+def test_mfu_beside_tokens_per_s_in_the_readme_rows():
+    """Issue 32 asks for MFU beside tokens/s: the README's rows divide each stack's median by the H100's dense bf16
+    peak (989.4 TFLOP/s, fitune's GPU catalog) at the workload's model FLOPs per token: 31.6 GFLOP for Llama-3.1-8B
+    LoRA at 2,048 tokens (4 FLOPs per weight per token, frozen weights, plus causal attention), so fitune's forum
+    median 17,651 is 56.4 % and Unsloth's 15,435 is 49.3 %. The real-length row counts the linear layers only over
+    all packed positions (its segments' attention is left out): a lower bound."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from bench.readme_numbers import linear_mfu_words, mfu_words
+    from fitune.perf.flops import model_flops_per_token
+    from fitune.setup import TrainSetup
+    from fitune.specs import load_model_spec
+
+    fitune = {r["case"]: r for r in _lines("issue32", "sameday", "rank_check.jsonl")}
+    first = fitune["fitune_seeds"]
+    per_token = model_flops_per_token(load_model_spec("llama-3.1-8b"), TrainSetup.from_dict(first["setup"]))
+    assert round(per_token / 1e9, 1) == 31.6
+    assert first["provenance"]["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert mfu_words(17651, first) == f"MFU {100 * 17651 * per_token / 989.4e12:.1f} %" == "MFU 56.4 %"
+    assert mfu_words(15435, first) == "MFU 49.3 %"
+    # Llama-3.1-8B's 8,030,261,248 parameters less the input embeddings (128,256 x 4,096) and the 65 RMSNorm weight
+    # vectors multiply each token: 4 FLOPs per weight (forward and input gradient)
+    linear = 4 * (8_030_261_248 - 128_256 * 4_096 - 65 * 4_096)
+    assert linear_mfu_words(17_500, "llama-3.1-8b", "NVIDIA H100 80GB HBM3") == \
+        f"MFU {100 * 17_500 * linear / 989.4e12:.1f} % (linear layers)"
