@@ -145,8 +145,9 @@ def summarize(trace: list[dict], marks: list[tuple[float, str]] = (), base_alloc
 class _Recorder:
     """The history of this process (rank 0), the marks of its phases, and the summary written at the end."""
 
-    def __init__(self, summary_path: str, max_entries: int):
+    def __init__(self, summary_path: str, max_entries: int, trace_path: str | None = None):
         self.summary_path = summary_path
+        self.trace_path = trace_path
         self.max_entries = max_entries
         self.marks: list[tuple[float, str]] = []
         self.recording = False
@@ -197,6 +198,8 @@ class _Recorder:
             trace = traces[device] if device < len(traces) else []
             summary.update(summarize(trace, self.marks, self.base_allocated_bytes, self.base_reserved_bytes,
                                      self.max_entries))
+            if self.trace_path:
+                write_trace(self.trace_path, trace, snapshot.get("segments") or [], self.marks)
             summary["device"] = device
             summary["end_allocated_bytes"] = torch.cuda.memory_allocated()
             summary["end_reserved_bytes"] = torch.cuda.memory_reserved()
@@ -210,6 +213,26 @@ class _Recorder:
         brief = {k: summary.get(k) for k in ("trace_events", "trace_full", "peak_live_bytes", "peak_reserved_bytes")}
         brief["peak_phase"] = (summary.get("peak") or {}).get("phase")
         print(f"memory history: {json.dumps(brief)} -> {self.summary_path}", file=sys.stderr, flush=True)
+
+
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                 "segment_unmap", "oom")
+
+
+def write_trace(path: str, trace: list[dict], segments: list[dict], marks: list[tuple[float, str]]) -> None:
+    """The allocator's history as compact JSON (gzip): `events` [action, addr, size, stream, time_us] in order (what
+    fitune/memory/allocator.py's models replay: allocs and completed frees; the segment maps and unmaps of expandable
+    segments; an `oom`), `segments` as the snapshot lists them at the end [address, total_size, allocated_size,
+    stream, segment_type], and the phase marks."""
+    import gzip
+
+    events = [[e["action"], e.get("addr"), e.get("size"), e.get("stream"), e.get("time_us")]
+              for e in trace if e.get("action") in TRACE_ACTIONS]
+    segs = [[g.get("address"), g.get("total_size"), g.get("allocated_size"), g.get("stream"), g.get("segment_type")]
+            for g in segments]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump({"events": events, "segments": segs, "marks": marks}, f)
 
 
 def _wrap(module, name: str, around) -> None:
@@ -237,14 +260,14 @@ def _step_label(*args, **kwargs) -> str:
     return f"step {step + 1}" if isinstance(step, int) else "step"
 
 
-def install(summary_path: str, max_entries: int) -> None:
+def install(summary_path: str, max_entries: int, trace_path: str | None = None) -> None:
     """Wrap fitune's functions so the process that trains records (rank 0) and the ranks it launches run this file."""
     import fitune.parallel.launch as launch_mod
     import fitune.runtime.device as device_mod
     import fitune.runtime.model as model_mod
     import fitune.train.loop as loop_mod
 
-    recorder = _Recorder(summary_path, max_entries)
+    recorder = _Recorder(summary_path, max_entries, trace_path)
     main_rank = os.environ.get("RANK", "0") == "0"
 
     def ranks_run_this_file(command):
@@ -254,7 +277,7 @@ def install(summary_path: str, max_entries: int) -> None:
                 raise RuntimeError(f"fitune.parallel.launch.command changed shape ({cmd}); update "
                                    "bench/_with_memory_history.py to run its ranks through this file")
             return cmd[:5] + [os.path.abspath(__file__), "--summary", summary_path, "--max-entries",
-                              str(max_entries), "--"] + cmd[7:]
+                              str(max_entries)] + (["--trace", trace_path] if trace_path else []) + ["--"] + cmd[7:]
         return call
 
     _wrap(launch_mod, "command", ranks_run_this_file)
@@ -298,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--summary", required=True, help="where rank 0 writes the summary (JSON)")
     p.add_argument("--max-entries", type=int, default=DEFAULT_MAX_ENTRIES)
+    p.add_argument("--trace", help="also write rank 0's allocator history (gzip JSON, `write_trace`) here")
     p.add_argument("fitune_args", nargs=argparse.REMAINDER, help="-- then fitune's arguments: train run.yaml ...")
     args = p.parse_args(argv)
     fitune_args = args.fitune_args[1:] if args.fitune_args[:1] == ["--"] else args.fitune_args
     if not fitune_args:
         p.error("give fitune's arguments after --, e.g. -- train run.yaml --no-progress")
-    install(args.summary, args.max_entries)
+    install(args.summary, args.max_entries, args.trace)
     from fitune.cli.main import main as fitune_main
 
     return fitune_main(fitune_args)

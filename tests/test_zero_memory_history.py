@@ -184,3 +184,24 @@ def test_recorder_glue_with_a_stand_in_for_cuda(monkeypatch, tmp_path):
         s = json.load(f)
     assert s["device"] == 1 and s["trace_full"] and s["peak_live_bytes"] == 100 + 4096
     assert s["peak"]["phase"] == "step 1" and s["end_allocated_bytes"] == 100
+
+
+def test_the_trace_file_keeps_the_allocator_events_in_order_and_the_segments(tmp_path):
+    """`--trace` (bench/_with_memory_history.py `write_trace`): the events an allocator model replays, in order, with
+    their sizes and streams; the snapshot's own entries (`snapshot`) are left out."""
+    import gzip
+
+    from bench._with_memory_history import write_trace
+
+    trace = [{"action": "segment_map", "addr": 0, "size": 2 << 20, "stream": 7, "time_us": 1.0},
+             {"action": "alloc", "addr": 0, "size": 1024, "stream": 7, "time_us": 2.0},
+             {"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": 3.0},
+             {"action": "free_completed", "addr": 0, "size": 1024, "stream": 7, "time_us": 4.0}]
+    segments = [{"address": 0, "total_size": 2 << 20, "allocated_size": 0, "stream": 7, "segment_type": "large"}]
+    path = tmp_path / "run.trace.json.gz"
+    write_trace(str(path), trace, segments, [(0.5, "start")])
+    with gzip.open(path, "rt") as f:
+        got = json.load(f)
+    assert got["events"] == [["segment_map", 0, 2 << 20, 7, 1.0], ["alloc", 0, 1024, 7, 2.0],
+                             ["free_completed", 0, 1024, 7, 4.0]]
+    assert got["segments"] == [[0, 2 << 20, 0, 7, "large"]] and got["marks"] == [[0.5, "start"]]

@@ -58,6 +58,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
 from bench.common import PROBE_ENV, probed_fitune_cmd, training_facts  # noqa: E402
+
+HISTORY_ENV = "FITUNE_MEMORY_HISTORY_DIR"
+"""Set to a folder: each fitune probe trains under bench/_with_memory_history.py, which writes its summary and its
+allocator history (`--trace`) there, named after the probe's run folder."""
 from bench.peers.peerlib import (outcome, parse_result, reset_peaks, run_case, simulate_card_view,  # noqa: E402
                                  start_cuda, trainer_callback, versions, write)
 
@@ -332,6 +336,11 @@ def probe_fitune(args, n: int) -> None:
         t0 = time.perf_counter()
         probe = os.path.join(run, "grad_norm.json")  # the child's first-step trainable-gradient norm
         probed, _ = probed_fitune_cmd(probe)
+        history = os.environ.get(HISTORY_ENV)
+        if history:  # the allocator's history of the run (bench/_with_memory_history.py), no gradient-norm probe
+            stem = os.path.join(history, os.path.basename(run))
+            probed = [sys.executable, os.path.join(ROOT, "bench", "_with_memory_history.py"), "--summary",
+                      stem + ".memory.json", "--trace", stem + ".trace.json.gz", "--"]
         try:
             proc = subprocess.run(probed + ["train", plan_path, "--no-progress"], capture_output=True,
                                   text=True, timeout=max(30.0, args.probe_timeout - 30),
