@@ -51,14 +51,73 @@ def configure_allocator(s: TrainSetup) -> dict[str, str]:
     return added
 
 
+CAP_MODE_ENV = "FITUNE_CAP_MODE"
+"""`ballast`: `limit_allocator` takes the GPU memory beyond the budget with one cudaMalloc outside PyTorch's allocator
+(the GPU must be this process's alone) instead of setting PyTorch's memory fraction. Unset: the fraction."""
+
+_BALLAST: list = []  # (libcudart, device pointer) held by limit_allocator in ballast mode
+
+
 def limit_allocator(budget_bytes: int | None) -> None:
     """Cap PyTorch's CUDA allocator at `budget_bytes` (a smaller card's budget on a bigger GPU); None lifts the
-    cap. Past it, allocations fail with OutOfMemoryError as they would on that card."""
+    cap. Past it, allocations fail with OutOfMemoryError as they would on that card.
+
+    The default sets PyTorch's memory fraction, which is stricter than a smaller card with expandable segments: a
+    request that misses the cache fails the fraction check when the mapped bytes plus the whole request exceed the
+    cap (c10/cuda/CUDACachingAllocator.cpp `alloc_block`), though mapping only what the free end of the segment lacks
+    would fit, and the allocator then empties its cache and retries. On the card itself only the physical memory
+    stops the mapping. FITUNE_CAP_MODE=ballast (`CAP_MODE_ENV`) behaves as the card: the memory beyond the budget is
+    taken once, outside PyTorch."""
     import torch
 
+    _release_ballast()
+    if budget_bytes is not None and os.environ.get(CAP_MODE_ENV) == "ballast":
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        _hold_ballast(budget_bytes)
+        return
     total_bytes = torch.cuda.get_device_properties(0).total_memory
     fraction = 1.0 if budget_bytes is None else min(1.0, budget_bytes / total_bytes)
     torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def ballast_bytes(free_bytes: int, budget_bytes: int, reserved_bytes: int) -> int:
+    """What ballast mode takes: the GPU's free memory less what PyTorch's allocator may still reserve."""
+    return max(0, free_bytes - max(0, budget_bytes - reserved_bytes))
+
+
+def _cudart():
+    """The CUDA runtime library PyTorch loaded (found in this process's memory map), through ctypes."""
+    import ctypes
+
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    if not paths:
+        raise RuntimeError(f"{CAP_MODE_ENV}=ballast: no libcudart.so loaded in this process; unset it to cap with "
+                           "PyTorch's memory fraction")
+    return ctypes.CDLL(paths[0])
+
+
+def _hold_ballast(budget_bytes: int) -> None:
+    import ctypes
+
+    import torch
+
+    torch.cuda.init()
+    free_bytes, _ = torch.cuda.mem_get_info()
+    n = ballast_bytes(free_bytes, budget_bytes, torch.cuda.memory_reserved())
+    if not n:
+        return
+    lib, ptr = _cudart(), ctypes.c_void_p()
+    rc = lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(n))
+    if rc != 0:
+        raise RuntimeError(f"{CAP_MODE_ENV}=ballast: cudaMalloc of {n} bytes failed (error {rc}); is the GPU shared?")
+    _BALLAST.append((lib, ptr))
+
+
+def _release_ballast() -> None:
+    while _BALLAST:
+        lib, ptr = _BALLAST.pop()
+        lib.cudaFree(ptr)
 
 
 def release_memory(device: str) -> None:

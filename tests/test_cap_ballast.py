@@ -1,0 +1,30 @@
+"""`cap:` on a bigger GPU (fitune/runtime/device.py `limit_allocator`): PyTorch's memory fraction by default; with
+FITUNE_CAP_MODE=ballast the memory beyond the budget taken outside PyTorch's allocator, as the smaller card has it."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fitune.runtime import device  # noqa: E402
+
+
+def test_ballast_takes_the_free_memory_pytorch_may_not_reserve():
+    gib = 2 ** 30
+    # 70 GiB free, budget 23.4 GiB of which PyTorch already reserved 1 GiB: it may reserve 22.4 GiB more
+    assert device.ballast_bytes(70 * gib, int(23.4 * gib), 1 * gib) == 70 * gib - int(22.4 * gib)
+    assert device.ballast_bytes(10 * gib, 23 * gib, 0) == 0  # the card is already smaller than the budget
+
+
+def test_the_fraction_is_the_default_and_ballast_is_opt_in(monkeypatch):
+    fractions, held = [], []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fractions.append)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2 ** 30}))
+    monkeypatch.setattr(device, "_hold_ballast", held.append)
+    monkeypatch.delenv(device.CAP_MODE_ENV, raising=False)
+    device.limit_allocator(20 * 2 ** 30)
+    assert fractions == [0.25] and held == []
+    monkeypatch.setenv(device.CAP_MODE_ENV, "ballast")
+    device.limit_allocator(20 * 2 ** 30)
+    assert fractions == [0.25, 1.0] and held == [20 * 2 ** 30]
+    device.limit_allocator(None)  # lifting the cap: the fraction back to 1, no ballast
+    assert fractions[-1] == 1.0 and held == [20 * 2 ** 30]
