@@ -227,7 +227,8 @@ def real_length_rows(root: str) -> list[Row]:
                 _vs(fitune, best["trained_tokens_per_s"]), _link(REAL_LENGTH_CALL))]
 
 
-CONTEXT_CALLS = (("issue 34", os.path.join("bench", "results", "issue34", "gb48")),
+CONTEXT_CALLS = (("issue 33", os.path.join("bench", "results", "issue33", "noretry", "lanes")),
+                 ("issue 34", os.path.join("bench", "results", "issue34", "gb48")),
                  ("issue 33", os.path.join("bench", "results", "issue33", "retries", "lanes")),
                  ("issue 33", os.path.join("bench", "results", "issue33", "context_pool")),
                  ("call 2", os.path.join(PEERS, "context_per_card", "call2")),
