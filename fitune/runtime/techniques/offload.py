@@ -199,13 +199,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             y = run(x)
         if copied is not None:
             # The compute stream goes on only once the transfer has read x, so x's block, freed by the caller after
-            # this returns, is free at once for the compute stream's next requests. `x.record_stream(side stream)`
-            # (before 2026-12-06) deferred that free until the host had seen the copy finish; the host runs layers
-            # ahead of the GPU, so each next layer's request found the block still pending and the allocator took
-            # new memory, or under a capped budget synchronized and retried: one retry per layer, every step
-            # (bench/results/issue33/retries), and a reserved peak over the estimate, which frees x where the caller
-            # drops it (bench/results/issue33/retry_cost: 15.83 GiB uncapped against 15.38 estimated). The copy
-            # (about 25 ms for 140k tokens' hidden states) overlaps the layer's forward (hundreds of ms): no wait.
+            # this returns, is free at once for the compute stream's next requests, where the estimate frees it.
+            # `x.record_stream(side stream)` (before 2026-12-06) deferred that free until the host saw the copy
+            # finish, and the host runs layers ahead of the GPU. The copy (about 25 ms for 140k tokens' hidden
+            # states) overlaps the layer's forward (hundreds of ms). The allocator retries of offloaded runs under a
+            # `cap` stayed after this change (bench/results/issue33/noretry): they come from PyTorch's memory
+            # fraction check (fitune/runtime/device.py `limit_allocator`).
             compute.wait_event(copied)
         ctx.host, ctx.restored, ctx.ready = host, None, None
         ctx.index = manager.register(ctx)
