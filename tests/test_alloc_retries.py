@@ -38,3 +38,20 @@ def test_train_says_once_when_steps_after_the_first_need_retries(tmp_path, monke
     said = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
     assert said == [said[0]] and "step 3" in said[0] and "retried 3 times" in said[0]
     assert len(report.metrics) == 4
+
+
+def test_under_a_fraction_cap_the_retry_line_says_the_card_may_need_fewer(caplog):
+    """With `cap:` set by PyTorch's memory fraction (the default), retries can come from its check, which counts a
+    whole request against the cap (fitune/runtime/device.py `limit_allocator`): the line names the ballast mode."""
+    import logging
+
+    from types import SimpleNamespace
+
+    report = loop._Report.__new__(loop._Report)
+    report.metrics = SimpleNamespace(write=lambda text: None, flush=lambda: None)
+    report.loggers, report.bar = [], SimpleNamespace(update=lambda line: None)
+    report.steps_seen, report.retries_said, report.fraction_cap = 1, False, True
+    with caplog.at_level(logging.WARNING, logger=loop.log.name):
+        report.step(2, {"step": 2, "alloc_retries": 22})
+    (said,) = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
+    assert "FITUNE_CAP_MODE=ballast" in said and "retried 22 times" in said

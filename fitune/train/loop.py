@@ -43,7 +43,7 @@ from ..parallel.deepspeed_engine import release
 from ..parallel.ranks import mean
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
 from ..runtime import needs  # needs.eval_setting, needs.run_budget_bytes
-from ..runtime.device import configure_allocator, limit_allocator, pick_device, release_memory
+from ..runtime.device import CAP_MODE_ENV, configure_allocator, limit_allocator, pick_device, release_memory
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
 from . import checkpoint, identity, outdir
@@ -325,6 +325,7 @@ class _Report:
         self.bar = progress_bar(total_steps, step, progress, device, cfg.cap, log_every=cfg.log_every)
         self.steps_seen = 0
         self.retries_said = False
+        self.fraction_cap = bool(cfg.cap) and os.environ.get(CAP_MODE_ENV) != "ballast"
 
     def step(self, step: int, line: dict) -> None:
         self.steps_seen += 1
@@ -332,7 +333,10 @@ class _Report:
             self.retries_said = True
             log.warning("fitune train: step %d: the CUDA allocator freed its cache and retried %d times (see "
                         "`alloc_retries` in metrics.jsonl): the step fits, but each retry costs time; a shorter "
-                        "seq_len or micro-batch leaves it room", step, line["alloc_retries"])
+                        "seq_len or micro-batch leaves it room%s", step, line["alloc_retries"],
+                        "; under `cap:` PyTorch's memory fraction counts each request whole against the cap, so the "
+                        f"card itself may need fewer ({CAP_MODE_ENV}=ballast simulates the card as it is)"
+                        if getattr(self, "fraction_cap", False) else "")
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
         for logger in self.loggers:
