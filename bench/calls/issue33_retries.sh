@@ -16,8 +16,14 @@ if python3 -c 'import pytest' 2>/dev/null; then
   echo "tests/test_offload.py rc=$?"; tail -3 "$OUT/pytest_offload.log"
 fi
 H32=host_ram=32GiB H64=host_ram=64GiB
-PEERS_BUDGET_S=${PEERS_BUDGET_S:-520} bash bench/peers/context_lanes.sh "$OUT/lanes" \
-  "fitune@23.4GiB:140288:$H64" "fitune@23.4GiB:plan:$H32 unsloth@15.4GiB:51882,47786" "fitune@15.4GiB:plan:$H64" \
+# ISSUE33_LANES: other lanes (bench/calls/issue33_noretry.sh), as words with $H32 / $H64 expanded
+if [ -n "${ISSUE33_LANES:-}" ]; then
+  IFS='|' read -r -a LANES <<< "${ISSUE33_LANES//\$H32/$H32}"
+  LANES=("${LANES[@]//\$H64/$H64}")
+else
+  LANES=("fitune@23.4GiB:140288:$H64" "fitune@23.4GiB:plan:$H32 unsloth@15.4GiB:51882,47786" "fitune@15.4GiB:plan:$H64")
+fi
+PEERS_BUDGET_S=${PEERS_BUDGET_S:-520} bash bench/peers/context_lanes.sh "$OUT/lanes" "${LANES[@]}" \
   > "$OUT/lanes/log.txt" 2>&1
 grep '^\[' "$OUT/lanes/log.txt" | cut -c1-300
 python3 bench/peers/probe_lines.py "$OUT/lanes/max_context.jsonl"
