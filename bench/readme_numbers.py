@@ -423,7 +423,19 @@ def host_32_note(root: str) -> str:
             f"{lo['host_peak_rss_bytes'] / gib:.1f} GiB. Both runs of commit {q['provenance']['commit'][:7]} needed "
             f"{retries[0]} to {retries[-1]} allocator retries in every step, and the {len(later)} offloaded runs of "
             f"commit {q32['provenance']['commit'][:7]} {later_retries[0]} to {later_retries[-1]} a step, which their "
-            f"plans did not expect (issue 33's open goal).")
+            f"plans did not expect (issue 33's open goal). {retry_cause_note(root)}")
+
+
+def retry_cause_note(root: str) -> str:
+    """Where those retries come from (bench/results/issue33/noretry): reserved at the estimate, the cap's check."""
+    gib = 2 ** 30
+    (r,) = [x for x in _lines(root, "bench", "results", "issue33", "noretry", "lanes", "max_context.jsonl")
+            if x.get("probe") and x["stack"] == "fitune" and x.get("plan_host_ram") == "32GiB"]
+    return (f"On commit {r['provenance']['commit'][:7]} the {_n(r['seq_len_tokens'])}-token run still retried "
+            f"{r['alloc_retries_per_step'][-1]} times in its second step with {r['peak_reserved_bytes'] / gib:.2f} GiB "
+            f"reserved (estimated {r['est_peak_reserved_bytes'] / gib:.2f}) under the {r['cap']} cap: PyTorch's memory "
+            "fraction, which simulates the card here, counts each request that misses the cache whole against the "
+            "cap, where the card would map only what is missing ([docs/phases.md](docs/phases.md)).")
 
 
 def torch_minor_of(root: str) -> str:
