@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 33's no-retries goal on a simulated 24 GB card that behaves as the card does: `fitune plan --host-ram 64GiB`'s
-# longest QLoRA r32 all-linear context at 23.4 GiB (141,312 tokens; retries [0, 22] under PyTorch's memory fraction
-# in bench/results/issue33/noretry), two steps, alone on the GPU, capped with FITUNE_CAP_MODE=ballast (the memory
+# Issue 33's no-retries goal on a simulated card that behaves as the card does: `fitune plan --host-ram 64GiB`'s
+# longest QLoRA r32 all-linear context at BALLAST_CAP (default 23.4 GiB: 141,312 tokens, retries [0, 22] under
+# PyTorch's memory fraction in bench/results/issue33/noretry; 15.4 GiB: 77,824 tokens, [30, 32] in
+# bench/results/issue33/retries), two steps, alone on the GPU, capped with FITUNE_CAP_MODE=ballast (the memory
 # beyond the budget taken by one cudaMalloc outside PyTorch's allocator: fitune/runtime/device.py `limit_allocator`).
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue33_ballast.sh $OUT
 set -u
@@ -9,6 +10,6 @@ OUT=${1:?usage: issue33_ballast.sh OUT}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT/lanes"
 FITUNE_CAP_MODE=ballast PEERS_STEPS=2 PEERS_BUDGET_S=${PEERS_BUDGET_S:-300} bash bench/peers/context_lanes.sh \
-  "$OUT/lanes" "fitune@23.4GiB:plan:host_ram=64GiB" > "$OUT/lanes/log.txt" 2>&1
+  "$OUT/lanes" "fitune@${BALLAST_CAP:-23.4GiB}:plan:host_ram=64GiB" > "$OUT/lanes/log.txt" 2>&1
 grep '^\[' "$OUT/lanes/log.txt" | cut -c1-300
 python3 bench/peers/probe_lines.py "$OUT/lanes/max_context.jsonl"
