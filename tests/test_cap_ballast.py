@@ -28,3 +28,13 @@ def test_the_fraction_is_the_default_and_ballast_is_opt_in(monkeypatch):
     assert fractions == [0.25, 1.0] and held == [20 * 2 ** 30]
     device.limit_allocator(None)  # lifting the cap: the fraction back to 1, no ballast
     assert fractions[-1] == 1.0 and held == [20 * 2 ** 30]
+
+
+def test_ballast_without_a_cuda_runtime_says_how_to_cap_instead(monkeypatch, tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 00:00 0 /usr/lib/libc.so.6\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(maps if path == "/proc/self/maps" else path,
+                                                                        *a, **k))
+    with pytest.raises(RuntimeError, match="unset it to cap with PyTorch's memory fraction"):
+        device._cudart()
