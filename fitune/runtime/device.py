@@ -6,6 +6,7 @@ module costs nothing.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 from typing import TYPE_CHECKING
@@ -87,8 +88,6 @@ def ballast_bytes(free_bytes: int, budget_bytes: int, reserved_bytes: int) -> in
 
 def _cudart():
     """The CUDA runtime library PyTorch loaded (found in this process's memory map), through ctypes."""
-    import ctypes
-
     with open("/proc/self/maps", encoding="utf-8") as f:
         paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
     if not paths:
@@ -98,8 +97,6 @@ def _cudart():
 
 
 def _hold_ballast(budget_bytes: int) -> None:
-    import ctypes
-
     import torch
 
     torch.cuda.init()
