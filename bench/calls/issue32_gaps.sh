@@ -13,16 +13,8 @@ BUDGET=${PEERS_BUDGET_S:-400}
 PY=${PYTHON:-python3}
 WORK=${PEERS_WORK:-/tmp/fitune_peers}
 mkdir -p "$OUT" "$WORK"
-profile() {  # profile NAME WORKLOAD [step_profile.py flags ...]
-  local name=$1 workload=$2 l; shift 2
-  l=$(( BUDGET - ($(date +%s) - T0) ))
-  if [ "$l" -lt 60 ]; then echo "[$name] skipped: ${l}s left"; return; fi
-  timeout -k 10 "$l" "$PY" bench/step_profile.py --out "$WORK/prof_$name" --workload "$workload" --steps 8 \
-    --profile-from 4 --profile-steps 3 "$@" > "$WORK/prof_$name.log" 2>&1
-  echo "[$name] rc=$? $(grep '^{' "$WORK/prof_$name.log" | tail -1 | cut -c1-400)"
-  cat "$WORK/prof_$name/step_profile.jsonl" >> "$OUT/step_profile.jsonl" 2>/dev/null || tail -8 "$WORK/prof_$name.log"
-  cp "$WORK/prof_$name"/trace.*.json.gz "$OUT/" 2>/dev/null
-}
+. bench/calls/_profile.sh
+KEEP_TRACES=1
 profile qlora_plan1 qlora_seeds
 profile seeds_plan1 seeds
 echo "### done at $(( $(date +%s) - T0 ))s"

@@ -20,15 +20,7 @@ WORK=${PEERS_WORK:-/tmp/fitune_peers}
 mkdir -p "$OUT" "$WORK"
 RL_ONLY=${RL_ONLY:-fitune,trl_nogc_liger_m1a2,fitune_again} RL_STEPS=${RL_STEPS:-80} \
   PEERS_BUDGET_S=${WINDOW_BUDGET_S:-390} bash bench/calls/issue32_real.sh "$OUT/real"
-profile() {  # profile NAME [step_profile.py flags ...]
-  local name=$1 l; shift
-  l=$(( BUDGET - ($(date +%s) - T0) ))
-  if [ "$l" -lt 60 ]; then echo "[$name] skipped: ${l}s left"; return; fi
-  timeout -k 10 "$l" "$PY" bench/step_profile.py --out "$WORK/prof_$name" --workload qlora_seeds --steps 8 \
-    --profile-from 4 --profile-steps 3 "$@" > "$WORK/prof_$name.log" 2>&1
-  echo "[$name] rc=$? $(grep '^{' "$WORK/prof_$name.log" | tail -1 | cut -c1-600)"
-  cat "$WORK/prof_$name/step_profile.jsonl" >> "$OUT/step_profile.jsonl" 2>/dev/null || tail -8 "$WORK/prof_$name.log"
-}
-profile qlora_plan1_uncapped --set cap=78GiB
-profile qlora_m1a2 --set batch_size=1 --set grad_accum=2
+. bench/calls/_profile.sh
+profile qlora_plan1_uncapped qlora_seeds --set cap=78GiB
+profile qlora_m1a2 qlora_seeds --set batch_size=1 --set grad_accum=2
 echo "### done at $(( $(date +%s) - T0 ))s"
