@@ -215,13 +215,12 @@ def real_length_rows(root: str) -> list[Row]:
     real = (f"real-length data ({_n(recs[0]['data']['examples'])} examples), LoRA r8 q,v, 24 GB cap: trained "
             f"tokens/s, median of steps 3-{recs[0]['steps']}")
     runs = ", ".join(_n(x) for x in mine)
-    peer = (f"{STACK_NAMES[best['stack']]} ({_setup_words(best)}) {_n(best['trained_tokens_per_s'])}: the fastest of "
-            f"{len(searched)} peer setups searched in {_link(REAL_LENGTH_SEARCH)} ({searched[0]['steps']} steps), "
-            f"{sum(1 for r in searched if r['fits'])} of which fit; " + "; ".join(others) + " there")
     gpu = recs[0]["provenance"]["gpu"]["name"]
     positions = statistics.median(r["nonpad_tokens_per_s"] for r in recs if r["stack"] == "fitune" and r["fits"])
-    peer = peer.replace(f" {_n(best['trained_tokens_per_s'])}: ", f" {_n(best['trained_tokens_per_s'])} "
-                        f"({linear_mfu_words(best['nonpad_tokens_per_s'], 'llama-3.1-8b', gpu)}): ", 1)
+    peer = (f"{STACK_NAMES[best['stack']]} ({_setup_words(best)}) {_n(best['trained_tokens_per_s'])} "
+            f"({linear_mfu_words(best['nonpad_tokens_per_s'], 'llama-3.1-8b', gpu)}): the fastest of "
+            f"{len(searched)} peer setups searched in {_link(REAL_LENGTH_SEARCH)} ({searched[0]['steps']} steps), "
+            f"{sum(1 for r in searched if r['fits'])} of which fit; " + "; ".join(others) + " there")
     return [Row(f"{real} ({label})", f"**{_n(fitune)}** (median of {len(mine)} runs: {runs}; "
                 f"{linear_mfu_words(positions, 'llama-3.1-8b', gpu)})", peer,
                 _vs(fitune, best["trained_tokens_per_s"]), _link(REAL_LENGTH_CALL))]

@@ -13,6 +13,7 @@ the top kernels, and the run's median tokens/s over its steps 3 and later (the p
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import inspect
 import json
@@ -106,8 +107,6 @@ def idle_gaps(events: list[dict], spans: list[tuple[float, float]], top: int = 2
                    and not str(e["name"]).startswith("ProfilerStep")))
     starts = [h[0] for h in host]
     overlap: dict[str, list] = {}
-    import bisect
-
     for a, b in long_gaps:
         for h0, h1, name in host[:bisect.bisect_left(starts, b)]:
             o = min(b, h1) - max(a, h0)
