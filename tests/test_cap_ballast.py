@@ -38,3 +38,11 @@ def test_ballast_without_a_cuda_runtime_says_how_to_cap_instead(monkeypatch, tmp
                                                                         *a, **k))
     with pytest.raises(RuntimeError, match="unset it to cap with PyTorch's memory fraction"):
         device._cudart()
+
+
+def test_a_misspelt_cap_mode_is_refused_with_the_known_one(monkeypatch):
+    from fitune.errors import ConfigError
+
+    monkeypatch.setenv(device.CAP_MODE_ENV, "balast")
+    with pytest.raises(ConfigError, match="FITUNE_CAP_MODE=balast: not a cap mode; set it to ballast"):
+        device.limit_allocator(20 * 2 ** 30)

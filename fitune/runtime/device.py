@@ -11,6 +11,8 @@ import gc
 import os
 from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from ..setup import TrainSetup
 
@@ -72,7 +74,11 @@ def limit_allocator(budget_bytes: int | None) -> None:
     import torch
 
     _release_ballast()
-    if budget_bytes is not None and os.environ.get(CAP_MODE_ENV) == "ballast":
+    mode = os.environ.get(CAP_MODE_ENV, "")
+    if mode not in ("", "ballast"):
+        raise ConfigError(f"{CAP_MODE_ENV}={mode}: not a cap mode; set it to ballast (the memory beyond the budget "
+                          "taken outside PyTorch, the GPU this process's alone) or unset it (PyTorch's memory fraction)")
+    if budget_bytes is not None and mode == "ballast":
         torch.cuda.set_per_process_memory_fraction(1.0)
         _hold_ballast(budget_bytes)
         return
