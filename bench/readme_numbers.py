@@ -288,6 +288,8 @@ def context_rows(root: str) -> list[Row]:
         alone = not same
         host = (f"; host RAM peak {best['host_peak_rss_bytes'] / 2**30:.1f} GiB" if best.get("host_peak_rss_bytes")
                 else "")
+        if best.get("plan_host_ram"):  # the host RAM `fitune plan --host-ram` held the plan to
+            host += f" of the {best['plan_host_ram'].replace('GiB', ' GiB')} planned for"
         note = f" ({best['label']}{host}, fitune alone)" if alone else f" ({best['label']}{host})"
         fit, oom = _unsloth_bounds(same or [r for r in at_cap if r["stack"] == "unsloth"])
         parts = ([f"fits {_n(fit['seq_len_tokens'])}" + (f" ({fit['label']})" if alone else "")] if fit else []) + \
