@@ -46,3 +46,16 @@ def test_a_misspelt_cap_mode_is_refused_with_the_known_one(monkeypatch):
     monkeypatch.setenv(device.CAP_MODE_ENV, "balast")
     with pytest.raises(ConfigError, match="FITUNE_CAP_MODE=balast: not a cap mode; set it to ballast"):
         device.limit_allocator(20 * 2 ** 30)
+
+
+def test_outside_allocator_bytes_leaves_out_the_allocator_and_the_ballast(monkeypatch):
+    """A step line's `outside_allocator_bytes`: what the GPU has in use beyond PyTorch's reserved memory and the
+    ballast (the CUDA context, kernel images loaded so far, other processes)."""
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * gib, 80 * gib))  # 70 GiB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 20 * gib)
+    monkeypatch.setattr(device, "_BALLAST", [(None, None, 49 * gib)])
+    assert device.ballast_held_bytes() == 49 * gib
+    assert device.outside_allocator_bytes() == 1 * gib
+    monkeypatch.setattr(device, "_BALLAST", [])
+    assert device.outside_allocator_bytes() == 50 * gib

@@ -363,6 +363,7 @@ def probe_fitune(args, n: int) -> None:
             values = [x[key] for x in lines if x.get(key) is not None]
             rec[key] = max(values) if values else None
         rec["alloc_retries_per_step"] = [x.get("alloc_retries") for x in lines]
+        rec["outside_allocator_bytes_per_step"] = [x.get("outside_allocator_bytes") for x in lines]
         rec["grad_checkpointing_run"] = sorted({str(x.get("grad_checkpointing")) for x in lines})
         rec["oom_guard_replans"] = tail.count("fitune: out of memory at step")
         shutil.rmtree(os.path.join(run, "out"), ignore_errors=True)  # its checkpoint: about 1 GB per probe

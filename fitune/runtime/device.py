@@ -58,7 +58,7 @@ CAP_MODE_ENV = "FITUNE_CAP_MODE"
 """`ballast`: `limit_allocator` takes the GPU memory beyond the budget with one cudaMalloc outside PyTorch's allocator
 (the GPU must be this process's alone) instead of setting PyTorch's memory fraction. Unset: the fraction."""
 
-_BALLAST: list = []  # (libcudart, device pointer) held by limit_allocator in ballast mode
+_BALLAST: list = []  # (libcudart, device pointer, bytes) held by limit_allocator in ballast mode
 
 
 def limit_allocator(budget_bytes: int | None) -> None:
@@ -114,13 +114,28 @@ def _hold_ballast(budget_bytes: int) -> None:
     rc = lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(n))
     if rc != 0:
         raise RuntimeError(f"{CAP_MODE_ENV}=ballast: cudaMalloc of {n} bytes failed (error {rc}); is the GPU shared?")
-    _BALLAST.append((lib, ptr))
+    _BALLAST.append((lib, ptr, n))
 
 
 def _release_ballast() -> None:
     while _BALLAST:
-        lib, ptr = _BALLAST.pop()
+        lib, ptr, _ = _BALLAST.pop()
         lib.cudaFree(ptr)
+
+
+def ballast_held_bytes() -> int:
+    """Bytes ballast mode holds now (0 without it)."""
+    return sum(n for _, _, n in _BALLAST)
+
+
+def outside_allocator_bytes() -> int:
+    """Device memory in use that this process's caching allocator does not hold, less the ballast: the CUDA
+    context, the kernel images loaded so far (lazily, as kernels are first used), cuDNN / cuBLAS handles, and any
+    other process on the GPU. `total - free - reserved - ballast` (torch.cuda.mem_get_info, one driver call)."""
+    import torch
+
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    return total_bytes - free_bytes - torch.cuda.memory_reserved() - ballast_held_bytes()
 
 
 def release_memory(device: str) -> None:

@@ -43,7 +43,8 @@ from ..parallel.deepspeed_engine import release
 from ..parallel.ranks import mean
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
 from ..runtime import needs  # needs.eval_setting, needs.run_budget_bytes
-from ..runtime.device import CAP_MODE_ENV, configure_allocator, limit_allocator, pick_device, release_memory
+from ..runtime.device import (CAP_MODE_ENV, configure_allocator, limit_allocator, outside_allocator_bytes, pick_device,
+                              release_memory)
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
 from . import checkpoint, identity, outdir
@@ -377,7 +378,8 @@ def _step_line(step: int, loss: float, scheduler, batches: list, step_time_s: fl
             "grad_checkpointing": plan.grad_checkpointing,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device == "cuda" else None,
-            "alloc_retries": alloc_retries if device == "cuda" else None}
+            "alloc_retries": alloc_retries if device == "cuda" else None,
+            "outside_allocator_bytes": outside_allocator_bytes() if device == "cuda" else None}
     if scaler is not None:
         line["loss_scale"] = scaler.get_scale()
     return line
