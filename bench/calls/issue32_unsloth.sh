@@ -106,8 +106,6 @@ run_named() {  # run_named NAME[-rN]: the case NAME (-rN: its N-th run in this c
   case $base in
     fitune_seeds)                  fitune_case "$name" seeds ;;
     fitune_qlora_seeds)            fitune_case "$name" qlora_seeds ;;
-    # plan 1 of QLoRA with bitsandbytes' own NF4 forward (the lean NF4 op off: lean_nf4.py), to measure the op
-    fitune_qlora_bnb)              FITUNE_LEAN_NF4=0 fitune_case "$name" qlora_seeds ;;
     fitune_seeds_eager)            fitune_case "$name" seeds_eager --plans 2 ;;  # plans 1 and 2, uncompiled
     # variants of QLoRA plan 1: micro-batch 2 with 8-bit AdamW and checkpointing on the first K layers only;
     # micro-batch 1 x 2 without checkpointing (where the OOM guard took the tight plan of commit 58459bd)

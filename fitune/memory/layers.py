@@ -46,8 +46,7 @@ def frozen_or_trainable_linear(ag: Autograd, c: LayerContext, x: Tensor, lin: Li
     Forward allocates the output (act_bytes x out x tokens). Autograd saves the input only when the weight
     trains (derivatives.yaml: `mm`'s `mat2` gradient needs `self`); a frozen weight saves nothing per token.
     NF4: bitsandbytes `MatMul4Bit` dequantises the whole weight to bf16 for the matmul, in forward and again in
-    backward (bitsandbytes/autograd/_functions.py), a transient of in x out x 2 bytes; fitune's lean NF4 op
-    (fitune/runtime/techniques/lean_nf4.py) holds the same transient (its fp32 absmax, 1/16 of it, is freed first).
+    backward (bitsandbytes/autograd/_functions.py), a transient of in x out x 2 bytes.
     """
     T, w = c.tokens, c.act_bytes
     deq = ag.new(w * lin.in_features * lin.out_features, False, f"{lin.name}:nf4-dequant") if c.qlora else None

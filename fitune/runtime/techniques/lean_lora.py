@@ -20,9 +20,6 @@ The branch is plain differentiable ops, not a custom `torch.autograd.Function`: 
 for its output, so every LoRA gradient came out zero while the loss matched (bench/compile_parity.py, measured
 on the H200: bench/results/speed/zero_grads/compile_parity_before.jsonl; after: compile_parity.jsonl).
 
-For QLoRA the base layer's NF4 matmul runs as one custom op per call (lean_nf4.py), where bitsandbytes' Python
-path would run a dozen host operations.
-
 Modules with DoRA or another LoRA variant, several active adapters, merged weights or mixed-batch adapter
 names keep PEFT's forward.
 """
@@ -30,8 +27,6 @@ names keep PEFT's forward.
 from __future__ import annotations
 
 import torch
-
-from . import lean_nf4
 
 
 def lora_branch(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -62,7 +57,7 @@ def lean_lora(module) -> None:
         name = _lean_applicable(module, kwargs)
         if name is None:
             return peft_forward(x, *args, **kwargs)
-        result = lean_nf4.base_output(module.base_layer, x, *args, **kwargs)
+        result = module.base_layer(x, *args, **kwargs)
         xd = module.lora_dropout[name](x)
         branch = lora_branch(xd.to(result.dtype), module.lora_A[name].weight, module.lora_B[name].weight,
                              module.scaling[name])
@@ -72,8 +67,7 @@ def lean_lora(module) -> None:
 
 
 def enable_lean_lora(model) -> int:
-    """Make every LoRA Linear of a PEFT model lean, and its NF4 base layers (QLoRA) run as one op each
-    (lean_nf4.py). Returns how many modules changed."""
+    """Make every LoRA Linear of a PEFT model lean. Returns how many modules changed."""
     from peft.tuners.lora import LoraLayer
 
     n = 0
@@ -82,7 +76,6 @@ def enable_lean_lora(model) -> int:
                 and isinstance(getattr(module, "base_layer"), torch.nn.Module) \
                 and type(module).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"):
             lean_lora(module)
-            lean_nf4.mark_lean_nf4(module.base_layer)
             n += 1
     if not n:
         raise ValueError("no PEFT LoRA Linear found: wrap the model with LoRA before enabling lean LoRA")
