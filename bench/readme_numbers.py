@@ -176,6 +176,34 @@ def unsloth_rows(root: str) -> list[Row]:
     return rows
 
 
+LEAN_NF4_CALLS = (os.path.join("bench", "results", "issue32", "lean_nf4", "call1"),
+                  os.path.join("bench", "results", "issue32", "lean_nf4", "call2"))
+"""QLoRA r16 again, on another H100, two calls one after the other: fitune's plan 1 with bitsandbytes' NF4 path
+(`fitune_qlora_bnb`: main's code since the lean NF4 op, measured in the same calls within noise of it, was removed)
+against Unsloth's fastest QLoRA setup of UNSLOTH_CALL (and, in call 2, its plain loop with its checkpointing)."""
+
+
+def qlora_machine_row(root: str) -> Row:
+    """The QLoRA row of LEAN_NF4_CALLS: each call's fitune figure against the fastest Unsloth setup of that call."""
+    mine, theirs, firsts = [], [], []
+    for folder in LEAN_NF4_CALLS:
+        fitune = _lines(root, folder, "rank_check.jsonl")
+        (rec,) = [r for r in fitune if r["case"].split("-r")[0] == "fitune_qlora_bnb"]
+        peer = _strongest([r for r in _lines(root, folder, "peers.jsonl") if r.get("fits")])
+        mine.append(rec["tokens_per_s_median"])
+        theirs.append(peer)
+        firsts.append(rec)
+    setup = firsts[0]["setup"]
+    plan = f"plan 1: micro-batch {setup['batch_size']} x {setup['grad_accum']}, checkpointing {setup['grad_checkpointing']}"
+    calls = "; ".join(f"**{_n(x)}** (call {i + 1})" for i, x in enumerate(mine))
+    peers = "; ".join(f"{_n(p['tokens_per_s'])} (call {i + 1}: {_unsloth_words(p)})" for i, p in enumerate(theirs))
+    ratios = "; ".join(f"{_vs(x, p['tokens_per_s'])} (call {i + 1})" for i, (x, p) in enumerate(zip(mine, theirs)))
+    return Row(f"{QLORA} ({_call_label('issue 32', firsts[0])}, another machine, two calls)",
+               f"{calls} ({plan}; {mfu_words(statistics.median(mine), firsts[0])})",
+               f"Unsloth {peers}: the fastest setup that ran in each call",
+               ratios, ", ".join(_link(f) for f in LEAN_NF4_CALLS))
+
+
 def hf_liger_by_call(root: str) -> list[float]:
     """The strongest HF + Liger figure of each of the five calls of the seeds' workload, in call order."""
     files = (("peers.jsonl",), ("run2", "peers.jsonl"), ("run3", "call_a", "peers.jsonl"), ("run3", "peers.jsonl"),
@@ -323,7 +351,7 @@ def _unsloth_bounds(probes: list[dict]) -> tuple[dict | None, dict]:
 
 
 def render_results(root: str) -> str:
-    rows = seeds_rows(root) + unsloth_rows(root) + real_length_rows(root) + context_rows(root)
+    rows = seeds_rows(root) + unsloth_rows(root) + [qlora_machine_row(root)] + real_length_rows(root) + context_rows(root)
     lines = ["| measured on one GPU, H200 unless the row names another (allocator capped at the card's budget) | fitune | strongest peer, same call "
              "| fitune against it | records |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r.what} | {r.fitune} | {r.peer} | {r.ratio} | {r.records} |" for r in rows]
