@@ -40,9 +40,11 @@ def test_train_says_once_when_steps_after_the_first_need_retries(tmp_path, monke
     assert len(report.metrics) == 4
 
 
-def test_under_a_fraction_cap_the_retry_line_says_the_card_may_need_fewer(caplog):
-    """With `cap:` set by PyTorch's memory fraction (the default), retries can come from its check, which counts a
-    whole request against the cap (fitune/runtime/device.py `limit_allocator`): the line names the ballast mode."""
+def test_under_a_fraction_cap_the_retry_line_names_the_card_like_cap(caplog):
+    """With `cap:` set by PyTorch's memory fraction (the default), the count comes partly from its check, which counts
+    a whole request against the cap (fitune/runtime/device.py `limit_allocator`); the card's own count can differ
+    either way (bench/results/issue33/ballast: 20 and 31 under the card-like cap where the fraction gave 0 and 22):
+    the line names the ballast mode."""
     import logging
 
     from types import SimpleNamespace
@@ -54,4 +56,4 @@ def test_under_a_fraction_cap_the_retry_line_says_the_card_may_need_fewer(caplog
     with caplog.at_level(logging.WARNING, logger=loop.log.name):
         report.step(2, {"step": 2, "alloc_retries": 22})
     (said,) = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
-    assert "FITUNE_CAP_MODE=ballast" in said and "retried 22 times" in said
+    assert "FITUNE_CAP_MODE=ballast" in said and "retried 22 times" in said and "can differ" in said

@@ -336,7 +336,7 @@ class _Report:
                         "`alloc_retries` in metrics.jsonl): the step fits, but each retry costs time; a shorter "
                         "seq_len or micro-batch leaves it room%s", step, line["alloc_retries"],
                         "; under `cap:` PyTorch's memory fraction counts each request whole against the cap, so the "
-                        f"card itself may need fewer ({CAP_MODE_ENV}=ballast simulates the card as it is)"
+                        f"card's own count can differ ({CAP_MODE_ENV}=ballast simulates the card as it is)"
                         if getattr(self, "fraction_cap", False) else "")
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
