@@ -57,3 +57,21 @@ def test_under_a_fraction_cap_the_retry_line_names_the_card_like_cap(caplog):
         report.step(2, {"step": 2, "alloc_retries": 22})
     (said,) = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
     assert "FITUNE_CAP_MODE=ballast" in said and "retried 22 times" in said and "can differ" in said
+
+
+def test_on_a_card_the_retry_line_says_what_is_in_use_outside_the_allocator(caplog):
+    """Without the fraction cap (a real card, or the card-like ballast cap), the line gives the step's
+    `outside_allocator_bytes`: memory the allocator cannot have, which a budget measured at start-up leaves out."""
+    import logging
+
+    from types import SimpleNamespace
+
+    report = loop._Report.__new__(loop._Report)
+    report.metrics = SimpleNamespace(write=lambda text: None, flush=lambda: None)
+    report.loggers, report.bar = [], SimpleNamespace(update=lambda line: None)
+    report.steps_seen, report.retries_said, report.fraction_cap = 1, False, False
+    with caplog.at_level(logging.WARNING, logger=loop.log.name):
+        report.step(2, {"step": 2, "alloc_retries": 31, "outside_allocator_bytes": int(1.25 * 2 ** 30)})
+    (said,) = [r.getMessage() for r in caplog.records if "retried" in r.getMessage()]
+    assert "retried 31 times" in said and "1.25 GiB of the GPU is in use outside PyTorch's allocator" in said
+    assert "FITUNE_CAP_MODE" not in said

@@ -332,12 +332,17 @@ class _Report:
         self.steps_seen += 1
         if line.get("alloc_retries") and self.steps_seen > 1 and not self.retries_said:  # past the first step
             self.retries_said = True
+            fraction = getattr(self, "fraction_cap", False)
+            outside = line.get("outside_allocator_bytes")
             log.warning("fitune train: step %d: the CUDA allocator freed its cache and retried %d times (see "
                         "`alloc_retries` in metrics.jsonl): the step fits, but each retry costs time; a shorter "
-                        "seq_len or micro-batch leaves it room%s", step, line["alloc_retries"],
+                        "seq_len or micro-batch leaves it room%s%s", step, line["alloc_retries"],
                         "; under `cap:` PyTorch's memory fraction counts each request whole against the cap, so the "
                         f"card's own count can differ ({CAP_MODE_ENV}=ballast simulates the card as it is)"
-                        if getattr(self, "fraction_cap", False) else "")
+                        if fraction else "",
+                        f"; {outside / 2**30:.2f} GiB of the GPU is in use outside PyTorch's allocator (the CUDA "
+                        "context, the kernels loaded so far, libraries' state), which the allocator cannot have"
+                        if outside and not fraction else "")
         self.metrics.write(json.dumps(line) + "\n")
         self.metrics.flush()
         for logger in self.loggers:
