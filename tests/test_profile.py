@@ -71,9 +71,11 @@ def test_profile_json_keys_are_stable(tmp_path, capsys):
     assert set(doc) == {"model", "setup", "device", "steps", "cap_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                         "peak_phase", "phases", "breakdown", "estimate", "difference_bytes", "step_time_s",
                         "tokens_per_step", "tokens_per_s", "mfu", "num_alloc_retries", "fragmentation_bytes", "oom",
-                        "timeline"}
+                        "timeline", "outside_allocator_bytes"}
     assert set(doc["phases"]) == {"forward", "backward", "optimizer"}
-    assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "timeline"}
+    assert set(doc["estimate"]) == {"peak_allocated_bytes", "peak_reserved_bytes", "cuda_context_bytes", "breakdown",
+                                    "timeline"}
+    assert doc["outside_allocator_bytes"] is None and doc["estimate"]["cuda_context_bytes"] is None  # the CPU
     # the memory timeline of the profiled steps: time order, every phase, the peak among the samples
     timeline = doc["timeline"]
     assert 0 < len(timeline) <= MAX_TIMELINE_POINTS
@@ -221,3 +223,20 @@ def test_text_report_of_one_process_has_no_several_gpu_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "saved activations" in out and "peak allocated" in out
     assert "gathered weights" not in out and "comm buffers" not in out
+
+
+def test_the_report_says_what_is_in_use_outside_the_allocator(tmp_path):
+    """On CUDA the report gives the GPU memory outside PyTorch's allocator after the steps beside what the estimate's
+    budget leaves for it (set here by hand: the CPU has neither)."""
+    from fitune.cli.profile import format_result
+
+    path = _config(tmp_path)
+    spec = load_model_spec(path)
+    r = profile(spec, TrainSetup(batch_size=1, seq_len_tokens=32), source=path, steps=1, device="cpu")
+    assert "outside the allocator" not in format_result(r)
+    r.outside_allocator_bytes, r.estimate_context_bytes = int(1.5 * 2 ** 30), 718_077_952
+    # in the report's unit (the tiny model's peak is MiBs)
+    assert "outside the allocator: 1536.00 MiB (CUDA context, kernels loaded, libraries; the estimate's budget " \
+           "leaves 684.81 MiB for it on this GPU)" in format_result(r)
+    assert r.to_json()["outside_allocator_bytes"] == int(1.5 * 2 ** 30)
+    assert r.to_json()["estimate"]["cuda_context_bytes"] == 718_077_952

@@ -210,4 +210,7 @@ def format_result(r) -> str:
     lines.append(speed)
     if r.num_alloc_retries is not None:
         lines.append(f"  allocator: {r.num_alloc_retries} retries, fragmentation at the peak {gib(r.fragmentation_bytes or 0)}")
+    if r.outside_allocator_bytes is not None:
+        lines.append(f"  outside the allocator: {gib(r.outside_allocator_bytes)} (CUDA context, kernels loaded, libraries; "
+                     f"the estimate's budget leaves {gib(r.estimate_context_bytes or 0)} for it on this GPU)")
     return "\n".join(lines)

@@ -13,10 +13,10 @@ from ..errors import ConfigError
 from ..memory import estimate
 from ..perf.flops import mfu
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
-from ..runtime.device import configure_allocator, limit_allocator
+from ..runtime.device import configure_allocator, limit_allocator, outside_allocator_bytes
 from ..runtime.oom import build_report, is_oom
 from ..setup import TrainSetup
-from ..specs.gpu import GpuSpec
+from ..specs.gpu import GpuSpec, cuda_context_bytes
 from ..specs.model import ModelSpec
 from .tracker import CATEGORIES, MemoryTracker, downsample
 
@@ -62,6 +62,11 @@ class ProfileResult:
     estimate_timeline: list = field(default_factory=list)
     """The estimate's replayed tape (memory/tape.py `TapePoint`s) for one step: what the report draws over the
     measured timeline."""
+    outside_allocator_bytes: int | None = None
+    """CUDA: GPU memory in use outside PyTorch's allocator after the steps (the CUDA context, the kernels loaded,
+    libraries' state; fitune/runtime/device.py `outside_allocator_bytes`), bytes."""
+    estimate_context_bytes: int | None = None
+    """CUDA: what the estimate's budget leaves for that on this GPU's generation (specs/gpu.py `cuda_context_bytes`)."""
 
     def to_json(self) -> dict:
         return {
@@ -72,8 +77,10 @@ class ProfileResult:
             "phases": {p: {"peak_allocated_bytes": m.peak_allocated_bytes, "peak_reserved_bytes": m.peak_reserved_bytes,
                            "breakdown": m.by_category} for p, m in self.phases.items()},
             "breakdown": self.breakdown,
+            "outside_allocator_bytes": self.outside_allocator_bytes,
             "estimate": {"peak_allocated_bytes": self.estimate_peak_allocated_bytes,
                          "peak_reserved_bytes": self.estimate_peak_reserved_bytes,
+                         "cuda_context_bytes": self.estimate_context_bytes,
                          "breakdown": self.estimate_breakdown,
                          "timeline": [{"event": p.event, "phase": p.phase, "label": p.label,
                                        "allocated_bytes": p.allocated_bytes, "breakdown": p.by_category}
@@ -127,6 +134,9 @@ def profile(model_spec: ModelSpec, setup: TrainSetup, source: str | None = None,
                             post_mortem=dict(model_spec=model_spec, setup=setup, gpu=cap or gpu, device=device))
     retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else None
     result = _result(model_spec, setup, device, cap_bytes, cap or gpu, est, phases, times, tracker, oom, retries)
+    if cuda:  # after the steps: the kernels they used are loaded
+        result.outside_allocator_bytes = outside_allocator_bytes()
+        result.estimate_context_bytes = cuda_context_bytes("{}.{}".format(*torch.cuda.get_device_capability()))
     del model, opt, ids
     gc.collect()
     if cuda:
