@@ -13,7 +13,7 @@ import sys
 def line(r: dict) -> str:
     keys = ("stack", "cap", "set", "seq_len_tokens", "fits", "alloc_retries_per_step", "step_seconds",
             "peak_allocated_bytes", "est_peak_allocated_bytes", "peak_reserved_bytes", "host_peak_rss_bytes",
-            "est_host_peak_bytes")
+            "est_host_peak_bytes", "outside_allocator_bytes_per_step")
     return " ".join(f"{k}={r.get(k)}" for k in keys if r.get(k) is not None)
 
 
