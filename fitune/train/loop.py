@@ -47,6 +47,7 @@ from ..runtime.device import (CAP_MODE_ENV, configure_allocator, limit_allocator
                               release_memory)
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
+from ..units import GiB
 from . import checkpoint, identity, outdir
 from .config import TrainConfig
 from .loggers import make_loggers
@@ -340,7 +341,7 @@ class _Report:
                         "; under `cap:` PyTorch's memory fraction counts each request whole against the cap, so the "
                         f"card's own count can differ ({CAP_MODE_ENV}=ballast simulates the card as it is)"
                         if fraction else "",
-                        f"; {outside / 2**30:.2f} GiB of the GPU is in use outside PyTorch's allocator (the CUDA "
+                        f"; {outside / GiB:.2f} GiB of the GPU is in use outside PyTorch's allocator (the CUDA "
                         "context, the kernels loaded so far, libraries' state), which the allocator cannot have"
                         if outside and not fraction else "")
         self.metrics.write(json.dumps(line) + "\n")
