@@ -401,7 +401,7 @@ def test_where_the_gpu_waits_qlora_forward_is_host_bound():
 
 def test_the_lean_nf4_op_trained_alike_within_noise_and_qlora_on_another_machine():
     """bench/results/issue32/lean_nf4 (commit 6bc8553, H100): the lean NF4 op against bitsandbytes' path in two calls
-    (same first-step gradient norm and losses to 4 digits; under 1 % faster, so it was removed), and fitune's QLoRA
+    (same first-step gradient norm, losses within 0.05 %; under 1 % faster, so it was removed), and fitune's QLoRA
     plan 1 on bitsandbytes' path against Unsloth's fastest setup of each call: 1.35x and 1.39x."""
     ratios = []
     for call, op_gain in (("call1", 0.0057), ("call2", 0.0033)):
@@ -410,7 +410,7 @@ def test_the_lean_nf4_op_trained_alike_within_noise_and_qlora_on_another_machine
         assert lean["provenance"]["commit"].startswith("6bc8553") and lean["provenance"]["diff_sha256"] == ""
         assert abs(lean["first_step_grad_norm"] / bnb["first_step_grad_norm"] - 1) < 1e-4
         assert [round(x, 1) for x in lean["loss_trajectory"]] == [round(x, 1) for x in bnb["loss_trajectory"]]
-        assert max(abs(a - b) / b for a, b in zip(lean["loss_trajectory"], bnb["loss_trajectory"])) < 1e-3
+        assert max(abs(a - b) / b for a, b in zip(lean["loss_trajectory"], bnb["loss_trajectory"])) < 5e-4
         gain = lean["tokens_per_s_median"] / bnb["tokens_per_s_median"] - 1
         assert round(gain, 4) == op_gain and gain < 0.01
         peers = [r for r in _lines("issue32", "lean_nf4", call, "peers.jsonl") if r["fits"]]
