@@ -458,10 +458,12 @@ def host_32_note(root: str) -> str:
 def retry_cause_note(root: str) -> str:
     """Where those retries come from: reserved at the estimate under the memory fraction
     (bench/results/issue33/noretry), and the same plan under the card-like cap (bench/results/issue33/ballast)."""
+    from fitune.units import parse_memory_bytes
+
     gib = 2 ** 30
     (b,) = [x for x in _lines(root, "bench", "results", "issue33", "ballast", "lanes", "max_context.jsonl")
             if x.get("probe") and x["stack"] == "fitune"]
-    assert b["cap"] == "23.4GiB", b["cap"]
+    budget = parse_memory_bytes(b["cap"])  # the card's budget the run was capped to
     (r,) = [x for x in _lines(root, "bench", "results", "issue33", "noretry", "lanes", "max_context.jsonl")
             if x.get("probe") and x["stack"] == "fitune" and x.get("plan_host_ram") == "32GiB"]
     return (f"On commit {r['provenance']['commit'][:7]} the {_n(r['seq_len_tokens'])}-token run still retried "
@@ -470,7 +472,7 @@ def retry_cause_note(root: str) -> str:
             "memory fraction. Under a cap that behaves as the card (the memory beyond the budget taken outside "
             f"PyTorch, commit {b['provenance']['commit'][:7]}), the 64 GiB plan's {_n(b['seq_len_tokens'])} tokens "
             f"retried {b['alloc_retries_per_step'][0]} and {b['alloc_retries_per_step'][1]} times with "
-            f"{b['peak_reserved_bytes'] / gib:.2f} GiB reserved, {(23.4 * gib - b['peak_reserved_bytes']) / gib:.2f} "
+            f"{b['peak_reserved_bytes'] / gib:.2f} GiB reserved, {(budget - b['peak_reserved_bytes']) / gib:.2f} "
             "GiB under the budget: a card would retry too ([docs/phases.md](docs/phases.md)).")
 
 
