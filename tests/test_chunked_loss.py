@@ -4,7 +4,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fitune.runtime.techniques.chunked_loss import causal_lm_chunked_loss, chunked_linear_cross_entropy  # noqa: E402
+from fitune.runtime.techniques.chunked_loss import (  # noqa: E402
+    causal_lm_chunked_loss,
+    chunked_linear_cross_entropy,
+    trained_rows,
+)
 
 
 def _reference(hidden, weight, labels, num_items, softcap=None):
@@ -21,9 +25,11 @@ def _reference(hidden, weight, labels, num_items, softcap=None):
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("train_weight", [False, True])
 @pytest.mark.parametrize("compiled", [False, "eager-function", True])
-def test_forward_and_gradients_match(dtype, tol, softcap, train_weight, compiled, monkeypatch):
+@pytest.mark.parametrize("only_trained", [False, True])
+def test_forward_and_gradients_match(dtype, tol, softcap, train_weight, compiled, only_trained, monkeypatch):
     """Eager in-place chunks; `chunk_loss_and_grad` run uncompiled (its arithmetic); and compiled by Inductor (the
-    CPU backend here: `compile: layers` runs it on the GPU with Triton)."""
+    CPU backend here: `compile: layers` runs it on the GPU with Triton). `only_trained`: the head runs only at the
+    trained positions (`trained_rows`, as `fitune train` passes them); the masked positions' gradient is zero."""
     if compiled == "eager-function":  # the compiled path's function, without the compiler
         from fitune.runtime.techniques import chunked_loss
 
@@ -45,13 +51,34 @@ def test_forward_and_gradients_match(dtype, tol, softcap, train_weight, compiled
     hidden.grad = None
     if train_weight:
         weight.grad = None
+    rows = trained_rows(labels) if only_trained else None
+    if only_trained:
+        assert rows.shape[0] == n < b * s  # 3 rows' last positions, the prompt's 5 (4 shifted) and the padding's 3
     out = chunked_linear_cross_entropy(hidden, weight, labels, n, chunk_tokens=16, softcap=softcap,
-                                       compiled=bool(compiled))
+                                       compiled=bool(compiled), rows=rows)
     (out * 2).backward()  # a non-unit upstream gradient
+    if only_trained:
+        assert hidden.grad[0, :4].abs().sum() == 0 and hidden.grad[:, -1].abs().sum() == 0
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(hidden.grad.float(), 2 * g_ref_h.float(), rtol=tol, atol=tol)
     if train_weight:
         torch.testing.assert_close(weight.grad.float(), 2 * g_ref_w.float(), rtol=tol, atol=tol)
+
+
+def test_trained_rows_count_the_loss_when_no_count_is_given_and_a_batch_without_trained_tokens_adds_zero():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 8, requires_grad=True)
+    weight = torch.randn(30, 8) / 8**0.5
+    labels = torch.randint(0, 30, (2, 9))
+    labels[1, :6] = -100
+    whole = chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=4)
+    picked = chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=4, rows=trained_rows(labels))
+    torch.testing.assert_close(picked, whole)  # the mean over the same 8 + 3 trained positions
+    none = torch.full((2, 9), -100)
+    assert trained_rows(none).shape == (0,)
+    out = chunked_linear_cross_entropy(hidden, weight, none, chunk_tokens=4, rows=trained_rows(none))
+    out.backward()
+    assert out.item() == 0 and hidden.grad.abs().sum() == 0
 
 
 def test_whole_model_loss_and_lora_gradients_match_transformers():

@@ -203,7 +203,8 @@ def test_the_80_step_window_real_length_ratio():
 
 def test_the_qlora_profiles_peaks_against_fitune_estimate(tmp_path):
     """The QLoRA setups of the profile runs (bench/step_profile.py): `fitune estimate` of each run's own config
-    against its measured peaks: allocated within 0.01 %, reserved 2.5-3.3 % under (within issue 32's 2 % / the 5 %
+    against its measured peaks: allocated within 0.01 % then, 0.06 % since the estimate counts the loss's gathered
+    chunk (which the runs, at 5182728, did not have); reserved 2.5-3.3 % under (within issue 32's 2 % / the 5 %
     reserved band). Plan 1's 2 x 2048 without checkpointing reserved 24.17 GiB with the cap raised: over the 24 GB
     card's 23.4 GiB, where its estimate (23.39 GiB) left 14 MB: the step-1 out-of-memory error of both calls."""
     import subprocess
@@ -220,7 +221,7 @@ def test_the_qlora_profiles_peaks_against_fitune_estimate(tmp_path):
         out = subprocess.run([sys.executable, "-m", "fitune", "estimate", "--config", str(path), "--json"],
                              capture_output=True, text=True, cwd=ROOT, check=True)
         est = json.loads(out.stdout)
-        assert abs(est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1) < 0.0001, name
+        assert abs(est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1) < 0.0006, name
         assert -0.035 < est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1 < -0.02, name
     plan1 = profiles["qlora_seeds.cap=78GiB"]
     cap_bytes = 23.4 * 2 ** 30

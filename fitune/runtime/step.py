@@ -75,6 +75,10 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     kwargs = {"use_cache": False, **{k: to_device(v, device) for k, v in without_default_inputs(extra).items()}}
     if "position_ids" in kwargs:  # packed rows: their segment bounds, once per batch, for the varlen kernel
         kwargs.update(_varlen_kernel_inputs(model, extra["position_ids"], input_ids.shape[0], device))
+    if loss == "chunked" and labels.device.type == "cpu":  # the head runs only where a label is trained
+        from .techniques.chunked_loss import trained_rows
+
+        kwargs["rows"] = trained_rows(labels)
     input_ids, labels = to_device(input_ids, device), to_device(labels, device)
     num = to_device(torch.tensor(num_items), device) if num_items is not None else None
     if loss == "chunked":  # never materialise the whole sequence's logits

@@ -8,6 +8,12 @@ respect to the hidden states (softmax - one-hot, the gradient of cross-entropy),
 scales the stored gradient. Memory: one chunk's logits plus the hidden states' gradient; compute: the same
 matmuls as the plain path (the technique of Liger Kernel's fused linear cross-entropy, written in PyTorch).
 
+Only the trained positions: the positions whose label is -100 (a prompt, padding, the last token of each row)
+add nothing to the loss or to any gradient, so when the labels are still on the CPU (`trained_rows`, as
+`fitune train` passes them: no host sync) only the trained positions' hidden states go through the head, a chunk
+at a time; the others' hidden-state gradient is zero. On chat data where 30 % of the tokens are prompts that is 30 %
+of the head's matmuls and of the softmax passes saved (bench/results/issue32/trained_rows).
+
 Exact: the same loss and gradients as `cross_entropy(lm_head(h).float(), labels, reduction="sum") / num_items`
 up to float rounding (tests/test_chunked_loss.py compares forward and backward with the plain computation).
 
@@ -74,18 +80,24 @@ def use_compiled_loss(model, on: bool = True) -> None:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_items, chunk_tokens, softcap, compiled=False):
-        n_tokens = hidden.shape[0]
+    def forward(ctx, hidden, weight, labels, num_items, chunk_tokens, softcap, compiled=False, rows=None):
+        n_tokens = hidden.shape[0] if rows is None else rows.shape[0]
         need_h = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1]
         fused = _compiled_chunk() if compiled and (need_h or need_w) else None
-        grad_hidden = torch.empty_like(hidden) if need_h else None
+        if need_h:  # with `rows`, the untrained positions' gradient is zero and never written
+            grad_hidden = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)
+        else:
+            grad_hidden = None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
-            h = hidden[start:end]
-            y = labels[start:end]
+            if rows is None:
+                h, y, picked_rows = hidden[start:end], labels[start:end], None
+            else:  # the chunk's trained positions, gathered (one chunk of hidden states: `chunk_tokens` x h)
+                picked_rows = rows[start:end]
+                h, y = hidden.index_select(0, picked_rows), labels.index_select(0, picked_rows)
             if fused is not None:  # one compiled function: the chunk's fp32 logits never exist
                 logits = h @ weight.t()
                 part, g = fused(logits, y, num_items, softcap)
@@ -120,8 +132,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad /= num_items
                 g = grad.to(weight.dtype)
                 del grad
-            if need_h:
+            if need_h and picked_rows is None:
                 grad_hidden[start:end] = g @ weight
+            elif need_h:
+                grad_hidden.index_copy_(0, picked_rows, g @ weight)
             if need_w:
                 grad_weight += (g.t() @ h).float()
             del g
@@ -134,29 +148,53 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) labels shifted as transformers does (position t predicts labels[t + 1]; the last position of each
+    row predicts nothing: -100), flattened."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+
+
+def trained_rows(labels: torch.Tensor) -> torch.Tensor | None:
+    """The flat positions of a (batch, seq) label tensor whose shifted label is trained (not -100), int64, computed
+    on the labels' device: call it on the CPU labels, before they go to the GPU, and it costs no host sync."""
+    return torch.nonzero(shifted_labels(labels) != IGNORE_INDEX).squeeze(1)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  num_items: int | torch.Tensor | None = None, chunk_tokens: int = CHUNK_TOKENS,
-                                 softcap: float | None = None, compiled: bool = False) -> torch.Tensor:
+                                 softcap: float | None = None, compiled: bool = False,
+                                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-LM loss of `hidden` (batch, seq, h) through `weight` (vocab, h) against `labels` (batch, seq).
 
     Labels are shifted as transformers does (position t predicts labels[t + 1]); -100 is ignored. The loss is
     the sum over predicted tokens divided by `num_items` (default: their count), as `ForCausalLMLoss` with
-    `num_items_in_batch`.
+    `num_items_in_batch`. `rows`: `trained_rows(labels)` (on any device): only those positions go through the
+    head; None: every position does (the ignored ones add zero).
     """
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_y = shifted.reshape(-1).to(hidden.device)
+    flat_y = shifted_labels(labels).to(hidden.device)
     if num_items is None:
-        num_items = int((flat_y != IGNORE_INDEX).sum().item())
+        num_items = rows.shape[0] if rows is not None else int((flat_y != IGNORE_INDEX).sum().item())
     num = torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device).clamp_min(1)
-    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap, compiled)
+    if rows is not None:
+        rows = _on(rows, hidden.device)
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap, compiled, rows)
 
 
-def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_tokens: int = CHUNK_TOKENS, **inputs):
-    """Run a (PEFT-wrapped) transformers causal LM's decoder and take the chunked loss through its lm_head."""
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor goes to a CUDA device from pinned memory, non-blocking (no host sync)."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_tokens: int = CHUNK_TOKENS,
+                           rows: torch.Tensor | None = None, **inputs):
+    """Run a (PEFT-wrapped) transformers causal LM's decoder and take the chunked loss through its lm_head (only at
+    `rows`, the CPU labels' `trained_rows`, when given: copied to the GPU once the decoder's kernels are queued)."""
     base = _base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     out = decoder(input_ids=input_ids, **inputs)
@@ -165,4 +203,4 @@ def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_token
     if getattr(head, "bias", None) is not None:
         raise ValueError("the chunked loss supports lm_heads without bias (every catalog model)")
     return chunked_linear_cross_entropy(out.last_hidden_state, head.weight, labels, num_items, chunk_tokens, softcap,
-                                        compiled=getattr(base, COMPILED_FLAG, False))
+                                        compiled=getattr(base, COMPILED_FLAG, False), rows=rows)
