@@ -27,6 +27,7 @@ rl() {  # rl NAME STACK [real_length.py flags ...]
   local name=$1 stack=$2; shift 2
   local l; l=$(left)
   if [ -n "${RL_ONLY:-}" ] && [[ ",$RL_ONLY," != *",$name,"* ]]; then return; fi
+  if [ -z "${RL_ONLY:-}" ] && [ "$name" = fitune_all_rows ]; then return; fi
   if [ "$l" -lt "$MIN_LEFT" ]; then echo "[$name] skipped: ${l}s left"; return; fi
   local limit=$(( l < RUN_LIMIT ? l : RUN_LIMIT )) t=$(date +%s)
   timeout -k 20 "$limit" "$PY" bench/peers/real_length.py --stack "$stack" --model-dir "$MODEL" --out "$RL" \
@@ -42,5 +43,6 @@ rl unsloth_gc_m2 unsloth_packing --grad-checkpointing unsloth --micro-batch 2
 rl trl_gc_liger_m2 trl_packing --grad-checkpointing on --liger --micro-batch 2
 rl unsloth_nogc_m1a2 unsloth_packing --grad-checkpointing off --micro-batch 1 --grad-accum 2
 rl trl_nogc_liger_m2 trl_packing --grad-checkpointing off --liger --micro-batch 2
+FITUNE_TRAINED_ROWS=0 rl fitune_all_rows fitune  # the loss's head over every position: only with RL_ONLY naming it
 rl fitune_again fitune
 echo "### done at $(( $(date +%s) - T0 ))s"

@@ -449,6 +449,7 @@ def fitune_body(args):
         if args.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         rec["varlen_kernel_env"] = env.get("FITUNE_VARLEN_KERNEL")  # the opt-in kernel path for packed rows (issue 32)
+        rec["trained_rows_env"] = env.get("FITUNE_TRAINED_ROWS")  # 0: the loss's head over every position
         proc = subprocess.run(plan_cmd, capture_output=True, text=True, env=env,
                               timeout=max(30, deadline - time.monotonic()))
         if proc.returncode != 0:

@@ -15,6 +15,7 @@ Imports torch at import; callers import this module where they need it.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -22,6 +23,10 @@ import torch
 
 from ..errors import FituneError
 from .techniques.offload_embeddings import compute_device
+
+TRAINED_ROWS_ENV = "FITUNE_TRAINED_ROWS"
+"""Set to 0, the chunked loss runs the head over every position, the trained or not (the path before the head ran
+only at the trained positions; kept to measure that change against: bench/results/issue32/trained_rows)."""
 
 PhaseHook = Callable[[str], ContextManager]
 """`phase(name)` returns a context manager entered around each phase: "forward", "backward", "optimizer"."""
@@ -75,7 +80,8 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
     kwargs = {"use_cache": False, **{k: to_device(v, device) for k, v in without_default_inputs(extra).items()}}
     if "position_ids" in kwargs:  # packed rows: their segment bounds, once per batch, for the varlen kernel
         kwargs.update(_varlen_kernel_inputs(model, extra["position_ids"], input_ids.shape[0], device))
-    if loss == "chunked" and labels.device.type == "cpu":  # the head runs only where a label is trained
+    if loss == "chunked" and labels.device.type == "cpu" and os.environ.get(TRAINED_ROWS_ENV) != "0":
+        # the head runs only where a label is trained
         from .techniques.chunked_loss import trained_rows
 
         kwargs["rows"] = trained_rows(labels)
