@@ -84,7 +84,7 @@ def forward_loss(model, batch: Any, *, loss: str = "hf", num_items: int | None =
         # the head runs only where a label is trained
         from .techniques.chunked_loss import trained_rows
 
-        kwargs["rows"] = trained_rows(labels)
+        kwargs["rows"] = to_device(trained_rows(labels), device)  # from the CPU labels: no host sync
     input_ids, labels = to_device(input_ids, device), to_device(labels, device)
     num = to_device(torch.tensor(num_items), device) if num_items is not None else None
     if loss == "chunked":  # never materialise the whole sequence's logits

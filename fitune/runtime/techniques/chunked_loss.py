@@ -179,22 +179,14 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     if num_items is None:
         num_items = rows.shape[0] if rows is not None else int((flat_y != IGNORE_INDEX).sum().item())
     num = torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device).clamp_min(1)
-    if rows is not None:
-        rows = _on(rows, hidden.device)
+    rows = rows.to(hidden.device) if rows is not None else None
     return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_y, num, chunk_tokens, softcap, compiled, rows)
-
-
-def _on(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`; a CPU tensor goes to a CUDA device from pinned memory, non-blocking (no host sync)."""
-    if t.device.type == "cpu" and torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def causal_lm_chunked_loss(model, input_ids, labels, num_items=None, chunk_tokens: int = CHUNK_TOKENS,
                            rows: torch.Tensor | None = None, **inputs):
     """Run a (PEFT-wrapped) transformers causal LM's decoder and take the chunked loss through its lm_head (only at
-    `rows`, the CPU labels' `trained_rows`, when given: copied to the GPU once the decoder's kernels are queued)."""
+    `rows`, the labels' `trained_rows`, when given)."""
     base = _base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     out = decoder(input_ids=input_ids, **inputs)
