@@ -360,8 +360,36 @@ def render_results(root: str) -> str:
     lines += ["", f"HF + Liger's strongest figure in each of the five calls of the seeds' workload: "
               f"{', '.join(_n(x) for x in liger)} tokens/s (median {_n(statistics.median(liger))}); fitune's call-5 "
               f"figure is {fitune5 / statistics.median(liger):.2f}x that median. Calls 2 to 4 measured fitune with a "
-              "bug and are withdrawn for fitune ([docs/history.md](docs/history.md)).", "", host_ram_note(root)]
+              "bug and are withdrawn for fitune ([docs/history.md](docs/history.md)).", "",
+              real_length_latest_note(root), "", host_ram_note(root)]
     return "\n".join(lines)
+
+
+TRAINED_ROWS_CALL = os.path.join("bench", "results", "issue32", "trained_rows")
+"""The newest real-length call (commit 8039b9b, 50 steps): its record files did not come back from the GPU machine,
+so its printed `RESULT` lines (call_output.txt) are the record."""
+
+
+def result_lines(path: str) -> dict[str, dict]:
+    """`[name] rc=0 Ns RESULT {...}` lines of a call's printed output, by run name."""
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("[") and " RESULT " in line:
+                out[line[1:line.index("]")]] = json.loads(line.split(" RESULT ", 1)[1])
+    return out
+
+
+def real_length_latest_note(root: str) -> str:
+    """The real-length workload on today's code (the head only at the trained positions), fitune against TRL's
+    strongest setup in the same call, beside the table's 80-step call."""
+    runs = result_lines(os.path.join(root, TRAINED_ROWS_CALL, "call_output.txt"))
+    mine = [runs[k]["tokens_per_s"] for k in ("fitune", "fitune_again")]
+    trl = runs["trl_nogc_liger_m1a2"]["tokens_per_s"]
+    return (f"Real-length data on the newest code (commit 8039b9b, H100, 50 steps, one call; its printed result lines "
+            f"are the record, {_link(TRAINED_ROWS_CALL)}): fitune {_n(statistics.median(mine))} trained tokens/s "
+            f"(median of {', '.join(_n(x) for x in mine)}), TRL's strongest setup {_n(trl)}: "
+            f"{statistics.median(mine) / trl:.2f}x (issue 32's goal: 1.5x).")
 
 
 def _mem_total_gib(env_txt: str) -> int:
@@ -457,7 +485,9 @@ def host_32_note(root: str) -> str:
 
 def retry_cause_note(root: str) -> str:
     """Where those retries come from: reserved at the estimate under the memory fraction
-    (bench/results/issue33/noretry), and the same plan under the card-like cap (bench/results/issue33/ballast)."""
+    (bench/results/issue33/noretry), the same plan under the card-like cap (bench/results/issue33/ballast), and
+    131,072 tokens under it with the memory outside the allocator recorded (bench/results/issue33/ballast_131k)."""
+    from fitune.specs.gpu import CONSUMER_CONTEXT_BYTES
     from fitune.units import parse_memory_bytes
 
     gib = 2 ** 30
@@ -466,6 +496,8 @@ def retry_cause_note(root: str) -> str:
     budget = parse_memory_bytes(b["cap"])  # the card's budget the run was capped to
     (r,) = [x for x in _lines(root, "bench", "results", "issue33", "noretry", "lanes", "max_context.jsonl")
             if x.get("probe") and x["stack"] == "fitune" and x.get("plan_host_ram") == "32GiB"]
+    (c,) = [x for x in _lines(root, "bench", "results", "issue33", "ballast_131k", "lanes", "max_context.jsonl")
+            if x.get("probe") and x["stack"] == "fitune"]
     return (f"On commit {r['provenance']['commit'][:7]} the {_n(r['seq_len_tokens'])}-token run still retried "
             f"{r['alloc_retries_per_step'][-1]} times in its second step with {r['peak_reserved_bytes'] / gib:.2f} GiB "
             f"reserved (estimated {r['est_peak_reserved_bytes'] / gib:.2f}) under the {r['cap']} cap of PyTorch's "
@@ -473,7 +505,11 @@ def retry_cause_note(root: str) -> str:
             f"PyTorch, commit {b['provenance']['commit'][:7]}), the 64 GiB plan's {_n(b['seq_len_tokens'])} tokens "
             f"retried {b['alloc_retries_per_step'][0]} and {b['alloc_retries_per_step'][1]} times with "
             f"{b['peak_reserved_bytes'] / gib:.2f} GiB reserved, {(budget - b['peak_reserved_bytes']) / gib:.2f} "
-            "GiB under the budget: a card would retry too ([docs/phases.md](docs/phases.md)).")
+            "GiB under the budget: a card would retry too. At 131,072 tokens, 1.50x Unsloth's out-of-memory length "
+            f"(commit {c['provenance']['commit'][:7]}), it retried {c['alloc_retries_per_step'][0]} and "
+            f"{c['alloc_retries_per_step'][1]} times, the process holding "
+            f"{c['outside_allocator_bytes_per_step'][-1] / 2**20:,.0f} MiB outside PyTorch's allocator after each step "
+            f"where the budget leaves {CONSUMER_CONTEXT_BYTES / 2**20:,.0f} MiB ([docs/phases.md](docs/phases.md)).")
 
 
 def torch_minor_of(root: str) -> str:

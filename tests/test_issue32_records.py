@@ -431,3 +431,52 @@ def test_the_ballast_cap_still_retried_the_24gb_plan():
     gib = 2 ** 30
     assert round(r["peak_reserved_bytes"] / gib, 2) == 23.02 and round(r["est_peak_reserved_bytes"] / gib, 2) == 23.23
     assert round((23.4 * gib - r["peak_reserved_bytes"]) / gib, 2) == 0.38
+
+
+def test_the_ballast_cap_retried_at_1_5x_unsloth_with_902_mib_outside_the_allocator():
+    """bench/results/issue33/ballast_131k: 131,072 tokens (1.50x Unsloth's out-of-memory length 87,381 under the same
+    budget) trained under the card-like cap within the estimate on GPU and host, and retried 19 and 25 times; the
+    process held 902 MiB outside PyTorch's allocator after each step, 300 MiB over what the 24 GB budget leaves."""
+    from fitune.specs.gpu import CONSUMER_CONTEXT_BYTES
+
+    (r,) = [x for x in _lines("issue33", "ballast_131k", "lanes", "max_context.jsonl") if not x.get("summary")]
+    assert r["provenance"]["commit"].startswith("8039b9b") and r["provenance"]["diff_sha256"] == ""
+    assert r["seq_len_tokens"] == 131072 and r["plan_host_ram"] == "64GiB" and r["fits"] is True
+    assert round(r["seq_len_tokens"] / 87381, 2) == 1.5
+    assert r["setup"]["method"] == "qlora" and r["setup"]["lora_rank"] == 32 and r["picked"] == 1
+    assert r["alloc_retries_per_step"] == [19, 25]
+    assert 0 < r["est_peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1 < 0.001  # +0.05 %
+    assert 0 < r["est_peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1 < 0.005  # +0.36 %
+    assert 0 < r["est_host_peak_bytes"] / r["host_peak_rss_bytes"] - 1 < 0.005  # +0.29 %
+    outside = r["outside_allocator_bytes_per_step"]
+    assert outside == [946_051_482, 946_051_482]  # steady: the same after both steps
+    assert round(outside[0] / 2**20) == 902 and round(CONSUMER_CONTEXT_BYTES / 2**20) == 602
+    assert round((outside[0] - CONSUMER_CONTEXT_BYTES) / 2**20) == 300
+    gib = 2 ** 30
+    assert round(r["peak_reserved_bytes"] / gib, 2) == 23.03  # the plan fills the budget, as at 141,312 tokens
+
+
+def test_the_head_at_the_trained_positions_against_every_position_and_trl():
+    """bench/results/issue32/trained_rows: in one call, fitune 12,499 and 12,590 trained tokens/s (median 12,544),
+    1.47x TRL's strongest setup's 8,523 (goal 1.5x: not met); the head over every position 12,435 (+0.9 % for the
+    change: noise-sized); 8 MiB more allocated (the gathered chunk). On the CPU the real model's losses agree."""
+    from bench.readme_numbers import result_lines
+
+    runs = result_lines(os.path.join(RESULTS, "issue32", "trained_rows", "call_output.txt"))
+    assert list(runs) == ["fitune", "trl_nogc_liger_m1a2", "fitune_all_rows", "fitune_again"]
+    assert all(r["fits"] for r in runs.values()) and runs["trl_nogc_liger_m1a2"]["stack"] == "trl_packing"
+    mine = statistics.median([runs["fitune"]["tokens_per_s"], runs["fitune_again"]["tokens_per_s"]])
+    trl, every = runs["trl_nogc_liger_m1a2"]["tokens_per_s"], runs["fitune_all_rows"]["tokens_per_s"]
+    assert round(mine) == 12544 and round(trl) == 8523 and round(every) == 12435
+    assert round(mine / trl, 2) == 1.47 and round(every / trl, 2) == 1.46
+    assert round(100 * (mine / every - 1), 1) == 0.9
+    extra = runs["fitune"]["peak_allocated_bytes"] - runs["fitune_all_rows"]["peak_allocated_bytes"]
+    assert 1024 * 4096 * 2 <= extra < 1024 * 4096 * 2 + 2**16
+    folder = os.path.join(RESULTS, "issue32", "trained_rows", "cpu_parity")
+    rows, every_row = (_lines("issue32", "trained_rows", "cpu_parity", name)
+                       for name in ("metrics_trained_rows.jsonl", "metrics_all_rows.jsonl"))
+    for key in ("loss", "eval_loss"):
+        a = [x[key] for x in rows if x.get(key) is not None]
+        b = [x[key] for x in every_row if x.get(key) is not None]
+        assert len(a) == len(b) >= 2 and all(abs(x - y) < 1e-6 for x, y in zip(a, b)), key
+    assert os.path.exists(os.path.join(folder, "run.yaml"))
