@@ -7,6 +7,8 @@
 # BALLAST_LENGTHS: the lengths to probe instead of the plan's longest, comma-separated, each `fitune plan --seq-len N`'s
 # plan 1 (131,072 is 1.50x Unsloth's out-of-memory length at 23.4 GiB; bench/results/issue33/ballast ran the plan's
 # 141,312: 20 and 31 retries). Each step line carries `outside_allocator_bytes` since commit 5d1a58c.
+# BALLAST_PLAN_GPU: plan for this budget instead of the cap (room under the cap for the 902 MiB a training process holds
+# outside PyTorch's allocator, bench/results/issue33/ballast_131k); the run is still capped at BALLAST_CAP.
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue33_ballast.sh $OUT
 #   BALLAST_LENGTHS=131072,122880 PEERS_BUDGET_S=540 bash bench/calls/issue33_ballast.sh $OUT
 set -u
@@ -14,6 +16,6 @@ OUT=${1:?usage: issue33_ballast.sh OUT}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT/lanes"
 FITUNE_CAP_MODE=ballast PEERS_STEPS=2 PEERS_BUDGET_S=${PEERS_BUDGET_S:-300} bash bench/peers/context_lanes.sh \
-  "$OUT/lanes" "fitune@${BALLAST_CAP:-23.4GiB}:${BALLAST_LENGTHS:-plan}:host_ram=64GiB" > "$OUT/lanes/log.txt" 2>&1
+  "$OUT/lanes" "fitune@${BALLAST_CAP:-23.4GiB}:${BALLAST_LENGTHS:-plan}:host_ram=64GiB${BALLAST_PLAN_GPU:++plan_gpu=$BALLAST_PLAN_GPU}" > "$OUT/lanes/log.txt" 2>&1
 grep '^\[' "$OUT/lanes/log.txt" | cut -c1-300
 python3 bench/peers/probe_lines.py "$OUT/lanes/max_context.jsonl"

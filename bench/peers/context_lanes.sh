@@ -10,7 +10,8 @@
 #
 # An item is STACK@CAP:LENGTHS[:KEY=VALUE] (LENGTHS as --lengths: comma-separated, 'plan' = fitune plan's longest;
 # KEY=VALUE: fitune, a setup key set in the written plan, --fitune-set, or plan_at=N, --fitune-plan-at, or
-# host_ram=NGiB, --fitune-host-ram (the host RAM fitune plan holds its plans to), or method=lora|qlora; several
+# host_ram=NGiB, --fitune-host-ram (the host RAM fitune plan holds its plans to), plan_gpu=NGiB, --fitune-plan-gpu
+# (the budget fitune plan plans for, under the cap), or method=lora|qlora; several
 # joined by '+'). Unsloth runs
 # with its notebooks' optimizer (--optim adamw_8bit), fitune with its plan 1 (--fitune-optimizer any): each stack
 # at its own best. PEERS_BUDGET_S (default 560) bounds the whole call; an item starts only with 90 s left.
@@ -41,6 +42,7 @@ item() {  # item STACK@CAP:LENGTHS[:KEY=VALUE[,KEY=VALUE]]
     for kv in ${lengths#*:}; do
       case $kv in
         plan_at=*) sets+=(--fitune-plan-at "${kv#plan_at=}") ;;
+        plan_gpu=*) sets+=(--fitune-plan-gpu "${kv#plan_gpu=}") ;;
         host_ram=*) sets+=(--fitune-host-ram "${kv#host_ram=}") ;;
         method=*) sets+=(--method "${kv#method=}") ;;
         *) sets+=(--fitune-set "$kv") ;;

@@ -98,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--fitune-host-ram", metavar="NGiB",
                    help="fitune: `fitune plan --host-ram` (the host RAM its plans must fit; default: the plan's own "
                         "default, this machine's RAM when its GPU is here)")
+    p.add_argument("--fitune-plan-gpu", metavar="GPU",
+                   help="fitune: plan for this budget (`fitune plan --gpu`) while the run is capped at --cap: room "
+                        "left under the cap for the memory outside PyTorch's allocator (issue 33)")
     p.add_argument("--fitune-plan-at", type=int, metavar="N",
                    help="fitune: plan at N tokens and train that plan at the probe's length (with --fitune-set: a "
                         "technique the planner does not propose yet, on the plan it makes where it still fits)")
@@ -197,7 +200,7 @@ def _fitune_env() -> dict:
 
 
 def _plan_args(args, n: int) -> list[str]:
-    return ["plan", args.model, "--gpu", args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
+    return ["plan", args.model, "--gpu", args.fitune_plan_gpu or args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
             "--lora-targets", "all-linear", "--seq-len", str(n), "--batch-size", "1"] + (
         ["--host-ram", args.fitune_host_ram] if args.fitune_host_ram else [])
 
@@ -300,6 +303,8 @@ def probe_fitune(args, n: int) -> None:
         rec.update(info)
         if args.fitune_plan_at:
             rec["planned_at_tokens"] = plan_n
+        if args.fitune_plan_gpu:
+            rec["plan_gpu"] = args.fitune_plan_gpu
         if pick is None:
             return finish(fits=False, plan_fits=False, error=f"fitune plan: {info['plan_says']}")
         run = os.path.join(args.work, f"fitune_{args.cap}_{n}" + "".join(f"_{x}" for x in args.fitune_set))
