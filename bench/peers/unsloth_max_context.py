@@ -200,7 +200,7 @@ def _fitune_env() -> dict:
 
 
 def _plan_args(args, n: int) -> list[str]:
-    return ["plan", args.model, "--gpu", args.fitune_plan_gpu or args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
+    return ["plan", args.model, "--gpu", getattr(args, "fitune_plan_gpu", None) or args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
             "--lora-targets", "all-linear", "--seq-len", str(n), "--batch-size", "1"] + (
         ["--host-ram", args.fitune_host_ram] if args.fitune_host_ram else [])
 
@@ -303,7 +303,7 @@ def probe_fitune(args, n: int) -> None:
         rec.update(info)
         if args.fitune_plan_at:
             rec["planned_at_tokens"] = plan_n
-        if args.fitune_plan_gpu:
+        if getattr(args, "fitune_plan_gpu", None):
             rec["plan_gpu"] = args.fitune_plan_gpu
         if pick is None:
             return finish(fits=False, plan_fits=False, error=f"fitune plan: {info['plan_says']}")

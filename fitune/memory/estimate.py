@@ -300,8 +300,6 @@ def _record_forward(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: Layer
     # input ids (int64; saved by the embedding only when it trains) and the shifted labels (saved by nll_loss)
     ids = tape.alloc(8 * T, ACTIVATIONS if setup.method == "full" else TRANSIENTS, "input_ids")
     labels = tape.alloc(8 * T, ACTIVATIONS, "shift_labels")
-    # the chunked loss's trained positions (int64, at most one a token: the upper bound), on the GPU through the loss
-    rows = tape.alloc(8 * T, TRANSIENTS, "trained positions") if setup.loss == "chunked" else None
     cos_sin = tape.alloc(overheads.rope_cache_bytes(model, setup.seq_len_tokens, w), ACTIVATIONS, "rope cos/sin")
     mask = tape.alloc(overheads.attention_mask_bytes(model, setup), TRANSIENTS, "attention mask")
     x = ag.new(w * model.hidden_size * T, inputs_require_grad, "embeddings")
@@ -312,7 +310,7 @@ def _record_forward(step: _Step, model: ModelSpec, setup: TrainSetup, ctx: Layer
         ag.save_only([x], "embedding output")  # kept alive with requires_grad (measured: 2 x h bytes/token)
     x = _record_layers(step, model, setup, ctx, x)
     loss = _record_head(step, model, setup, ctx, x, T)
-    tape.free(mask, rows)
+    tape.free(mask)
     return loss, (cos_sin, ids, labels)
 
 

@@ -19,7 +19,6 @@ from .autograd import Autograd, Tensor
 from .tape import LOGITS
 
 FP32 = 4
-INT64 = 8
 
 #: Tokens per chunk of fitune's chunked loss (fitune.runtime.techniques.chunked_loss uses the same constant).
 CHUNK_TOKENS = 1024
@@ -74,10 +73,7 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
     (act_bytes x hidden per token); per chunk of `chunk_tokens` tokens the model-dtype logits, their fp32 copy
     (turned into the softmax gradient in place; Gemma's soft-cap keeps its tanh too), the cast back and the
     chunk's hidden-gradient product exist, then go. Backward: the kept gradient times the upstream scalar.
-    Nothing of the size of the whole vocabulary x sequence is ever allocated. `fitune train` passes the trained
-    positions (`chunked_loss.trained_rows`; counted with the inputs, estimate.py `_record_forward`) and each chunk's
-    hidden states and labels are gathered from them (`chunk_tokens` x hidden): counted as if every position were
-    trained, the upper bound.
+    Nothing of the size of the whole vocabulary x sequence is ever allocated.
 
     `lm_head_trainable` (full fine-tuning): the head's gradient is accumulated in fp32 during the forward
     (`torch.zeros_like(weight, dtype=float32)`, 4 x vocab x hidden bytes, kept for backward); each chunk adds
@@ -95,13 +91,12 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
     """
     V, w, H = model.vocab_size, act_bytes, model.hidden_size
     n = min(tokens, chunk_tokens)
-    gathered = ag.new(w * H * n + INT64 * n, False, "chunk hidden states and labels (gathered)", LOGITS)
     if not grads:
         chunk_bf16 = ag.new(w * V * n, False, "chunk logits", LOGITS)
         chunk_fp32 = ag.new(FP32 * V * n, False, "chunk logits fp32", LOGITS)
         ag.drop(chunk_bf16)
         tanh = ag.new(FP32 * V * n, False, "chunk tanh", LOGITS) if model.final_logit_softcapping else None
-        ag.drop(chunk_fp32, tanh, gathered)
+        ag.drop(chunk_fp32, tanh)
         return ag.new(FP32, False, "loss", LOGITS)
     grad_h = ag.new(w * H * tokens, True, "chunked loss: d loss / d hidden", LOGITS)
     grad_w = ag.new(FP32 * V * H, True, "chunked loss: d loss / d lm_head (fp32)", LOGITS) if lm_head_trainable else None
@@ -122,7 +117,7 @@ def chunked_loss(ag: Autograd, model: ModelSpec, h: Tensor, tokens: int, act_byt
         gw_chunk = ag.new(w * V * H, False, "chunk d lm_head", LOGITS)
         gw_chunk32 = ag.new(FP32 * V * H, False, "chunk d lm_head .float()", LOGITS)
         ag.drop(gw_chunk, gw_chunk32)
-    ag.drop(None if lm_head_trainable else chunk_fp32, tanh, cast, part, gathered)
+    ag.drop(None if lm_head_trainable else chunk_fp32, tanh, cast, part)
     loss = ag.new(FP32, True, "loss", LOGITS)
     ag.record(loss, [h], [grad_h] + ([grad_w] if grad_w is not None else []), [h.nbytes],
               extra_bytes=FP32 * V * H if lm_head_trainable else 0,
