@@ -12,7 +12,8 @@ Only the trained positions: the positions whose label is -100 (a prompt, padding
 add nothing to the loss or to any gradient, so when the labels are still on the CPU (`trained_rows`, as
 `fitune train` passes them: no host sync) only the trained positions' hidden states go through the head, a chunk
 at a time; the others' hidden-state gradient is zero. On chat data where 30 % of the tokens are prompts that is 30 %
-of the head's matmuls and of the softmax passes saved (bench/results/issue32/trained_rows).
+of the head's matmuls and of the softmax passes saved: +0.9 % on the step, measured (bench/results/issue32/
+trained_rows).
 
 Exact: the same loss and gradients as `cross_entropy(lm_head(h).float(), labels, reduction="sum") / num_items`
 up to float rounding (tests/test_chunked_loss.py compares forward and backward with the plain computation).
@@ -157,7 +158,7 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
 
 
-def trained_rows(labels: torch.Tensor) -> torch.Tensor | None:
+def trained_rows(labels: torch.Tensor) -> torch.Tensor:
     """The flat positions of a (batch, seq) label tensor whose shifted label is trained (not -100), int64, computed
     on the labels' device: call it on the CPU labels, before they go to the GPU, and it costs no host sync."""
     return torch.nonzero(shifted_labels(labels) != IGNORE_INDEX).squeeze(1)
