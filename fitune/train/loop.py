@@ -43,8 +43,8 @@ from ..parallel.deepspeed_engine import release
 from ..parallel.ranks import mean
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
 from ..runtime import needs  # needs.eval_setting, needs.run_budget_bytes
-from ..runtime.device import (CAP_MODE_ENV, configure_allocator, limit_allocator, outside_allocator_bytes, pick_device,
-                              release_memory)
+from ..runtime.device import (CAP_MODE_ENV, ballast_held_bytes, configure_allocator, limit_allocator,
+                              outside_allocator_bytes, pick_device, release_memory)
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
 from ..units import GiB
@@ -229,6 +229,9 @@ def _start_device(cfg: TrainConfig, par) -> str:
     device = par.device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
     if cfg.cap and device == "cuda":
         limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
+        log.info("fitune train: capped at %s: %d bytes outside PyTorch's allocator now (the CUDA context; kernels "
+                 "loaded later add to it), %d bytes of ballast", cfg.cap, outside_allocator_bytes(),
+                 ballast_held_bytes())
     return device
 
 
