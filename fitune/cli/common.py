@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..files import check_target, write_keeping_previous as write
 from ..schema import Problems, add_arguments, load_config_file, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
+from ..units import gib
 
 
 def add_setup_arguments(p: argparse.ArgumentParser, *, model: bool = True, config: bool = True,
@@ -72,3 +73,12 @@ def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
         raise ConfigError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: the folder {folder} is not writable by this user; write somewhere else")
+
+
+def kernel_images_said(gpu, fmt=gib) -> str:
+    """`, X for the step (Y of kernel images the run loads later)` after a GPU's allocator budget, when the two
+    differ (fitune/specs/gpu.py `kernel_images_bytes`)."""
+    images = gpu.allocator_budget_bytes - gpu.training_budget_bytes
+    if not images:
+        return ""
+    return f", {fmt(gpu.training_budget_bytes)} for the step once the run's kernels load ({fmt(images)})"

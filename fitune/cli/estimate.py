@@ -14,7 +14,7 @@ from ..setup import TrainSetup, technique_labels
 from ..specs.gpu import catalog_gpu_names, gpu_catalog, resolve_gpu
 from ..specs.model import check_hf_config, describe_source, load_model_spec, model_catalog, resolve_model_source
 from ..units import count_text, gib
-from .common import add_setup_arguments as add, check_output_file, setup_and_model
+from .common import add_setup_arguments as add, check_output_file, kernel_images_said, setup_and_model
 
 DESCRIPTION = """\
 Estimate the peak GPU memory of one fine-tuning step, before running it.
@@ -135,7 +135,7 @@ def _run_phases(args, model, setup: TrainSetup, est) -> list:
     if args.eval_seq_len is not None and args.eval_seq_len < 1:
         raise ConfigError(f"--eval-seq-len {args.eval_seq_len}: give the longest eval row in tokens (1 or more)")
     source = args.source or source_of(args.model)
-    budget = est.gpu.allocator_budget_bytes if est.gpu is not None else None  # eval then fits it as train does
+    budget = est.gpu.training_budget_bytes if est.gpu is not None else None  # eval then fits it as train does
     return phase_peaks(setup, model, est, source=source, eval_rows_tokens=args.eval_seq_len, gpu_budget_bytes=budget)
 
 
@@ -152,7 +152,7 @@ def run_phases_to_json(peaks, gpu) -> dict:
         "host_peak_bytes": host.host_bytes,
     }
     if gpu is not None:
-        out["run_fits"] = worst.gpu_allocated_bytes <= gpu.allocator_budget_bytes
+        out["run_fits"] = worst.gpu_allocated_bytes <= gpu.training_budget_bytes
     return out
 
 
@@ -167,7 +167,7 @@ def format_run_phases(peaks, gpu) -> str:
     lines.append(f"  host memory of fitune train: {gib(host.host_bytes)} at the most ({host.name}); fitune plan "
                  "checks it against --host-ram")
     if gpu is not None:
-        budget = gpu.allocator_budget_bytes
+        budget = gpu.training_budget_bytes
         over = [p for p in peaks if p.gpu_allocated_bytes > budget]
         if over:
             names = ", ".join(f"{p.name} needs {gib(p.gpu_allocated_bytes)}" for p in over)
@@ -201,7 +201,8 @@ def estimate_to_json(est) -> dict:
         out["host_breakdown"] = dict(est.host_breakdown)
     if est.gpu is not None:
         out["gpu"] = {"name": est.gpu.name, "total_bytes": est.gpu.total_bytes,
-                      "allocator_budget_bytes": est.gpu.allocator_budget_bytes}
+                      "allocator_budget_bytes": est.gpu.allocator_budget_bytes,
+                      "training_budget_bytes": est.gpu.training_budget_bytes}
         out["fits"] = est.fits
         out["retries_expected"] = est.retries_expected
         out["tight"] = est.tight
@@ -283,7 +284,8 @@ def format_estimate(est, suggestions=()) -> str:
                 verdict += " (tight: within 5 % of the budget, where run-to-run fragmentation decides)"
         lines.append("")
         lines.append(f"  {g.name}{' (each GPU)' if per_gpu else ''}: {gib(g.allocator_budget_bytes)} for PyTorch's "
-                     f"allocator (of {gib(g.total_bytes)}) -> {verdict}, headroom {gib(est.headroom_bytes)}")
+                     f"allocator (of {gib(g.total_bytes)}){kernel_images_said(g)} -> {verdict}, headroom "
+                     f"{gib(est.headroom_bytes)}")
         if g.note:
             lines.append(f"  ({g.note})")
         lines.append(f"  largest terms: {top}")
@@ -338,9 +340,10 @@ def _run_trace(args, setup: TrainSetup, gpu) -> int:
     }
     if gpu is not None:
         doc["gpu"] = {"name": gpu.name, "total_bytes": gpu.total_bytes,
-                      "allocator_budget_bytes": gpu.allocator_budget_bytes}
-        doc["fits"] = res.peak_bytes <= gpu.allocator_budget_bytes
-        doc["headroom_bytes"] = gpu.allocator_budget_bytes - res.peak_bytes
+                      "allocator_budget_bytes": gpu.allocator_budget_bytes,
+                      "training_budget_bytes": gpu.training_budget_bytes}
+        doc["fits"] = res.peak_bytes <= gpu.training_budget_bytes
+        doc["headroom_bytes"] = gpu.training_budget_bytes - res.peak_bytes
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         print()
@@ -362,7 +365,7 @@ def _run_trace(args, setup: TrainSetup, gpu) -> int:
     for n in doc["notes"]:
         print(f"  note: {n}")
     if gpu is not None:
-        print(f"  {gpu.name}: {gib(gpu.allocator_budget_bytes)} for PyTorch's allocator -> "
+        print(f"  {gpu.name}: {gib(gpu.allocator_budget_bytes)} for PyTorch's allocator{kernel_images_said(gpu)} -> "
               f"{'FITS' if doc['fits'] else 'DOES NOT FIT'} (headroom {gib(doc['headroom_bytes'])}, before the "
               "allocator's overhead)")
     return 0

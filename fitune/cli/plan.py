@@ -21,7 +21,7 @@ from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
 from ..specs.gpu import resolve_gpu
 from ..specs.model import catalog_key, describe_source, load_model_spec, model_catalog
 from ..units import GiB
-from .common import check_output_file, write_keeping_previous
+from .common import check_output_file, kernel_images_said, write_keeping_previous
 
 DESCRIPTION = """\
 Search the training setups of MODEL that fit the GPU and rank them by predicted speed.
@@ -284,7 +284,7 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
     req = result.request
     g = req.gpu
     lines = [("fitune plan: " if result.plans else "") + f"{req.model.name} on {g.name} "
-             f"({_gib(g.allocator_budget_bytes)} for PyTorch's allocator)" + (f" x {req.num_gpus}" if req.num_gpus > 1 else ""),
+             f"({_gib(g.allocator_budget_bytes)} for PyTorch's allocator{kernel_images_said(g, _gib)})" + (f" x {req.num_gpus}" if req.num_gpus > 1 else ""),
              f"  {req.batch_size} x {req.seq_len_tokens} tokens per step, {req.dtype}; "
              f"{kept_as_given(req.methods, req.lora_rank, req.lora_targets)}; searched {result.searched} setups "
              f"({result.estimated_fast} extrapolated + {result.estimated_full} full estimates) in {elapsed_s:.2f} s"]
@@ -320,7 +320,7 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
         lines.append("  does not fit:")
         lines += [f"    {r.message}" for r in result.rejected]
     host_only = any(r.reason == "host_ram" for r in result.rejected) and result.minimum is not None and \
-        result.minimum.peak_reserved_bytes <= g.allocator_budget_bytes
+        result.minimum.peak_reserved_bytes <= g.training_budget_bytes
     if not result.plans and host_only:
         lines.append("")
         lines.append("  the card would hold it: the host RAM is what is short (above); --host-ram if this computer "
@@ -329,7 +329,7 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
         m = result.minimum
         lines.append("")
         lines.append(f"  the smallest requirement: {_gib(m.peak_allocated_bytes)} allocated, {_gib(m.peak_reserved_bytes)} "
-                     f"reserved ({describe(m.setup)}) > {_gib(g.allocator_budget_bytes)}")
+                     f"reserved ({describe(m.setup)}) > {_gib(g.training_budget_bytes)}")
         if result.changes:
             lines.append("  changes that would fit:")
             for c in result.changes:
@@ -353,7 +353,8 @@ def result_to_json(result, elapsed_s: float, notes=()) -> dict:
     doc = {
         "model": req.model.name,
         "gpu": {"name": req.gpu.name, "total_bytes": req.gpu.total_bytes,
-                "allocator_budget_bytes": req.gpu.allocator_budget_bytes},
+                "allocator_budget_bytes": req.gpu.allocator_budget_bytes,
+                "training_budget_bytes": req.gpu.training_budget_bytes},
         "num_gpus": req.num_gpus,
         "request": {"seq_len_tokens": req.seq_len_tokens, "batch_size": req.batch_size,
                     "per_gpu_batch_size": req.per_gpu_batch, "tokens_per_step": req.batch_size * req.seq_len_tokens,

@@ -89,24 +89,24 @@ class MemoryEstimate:
         allocated, 23.73 GiB reserved uncapped) completed with 1 retry, while 41.95 GiB allocated ran out of memory
         (bench/results/profile/). None without a GPU.
         """
-        return None if self.gpu is None else self.peak_allocated_bytes <= self.gpu.allocator_budget_bytes
+        return None if self.gpu is None else self.peak_allocated_bytes <= self.gpu.training_budget_bytes
 
     @property
     def retries_expected(self) -> bool | None:
         """The reserved peak exceeds the budget: expect cache flushes mid-step (slower; a fragmented cache can
         still fail)."""
-        return None if self.gpu is None else self.peak_reserved_bytes > self.gpu.allocator_budget_bytes
+        return None if self.gpu is None else self.peak_reserved_bytes > self.gpu.training_budget_bytes
 
     @property
     def headroom_bytes(self) -> int | None:
-        return None if self.gpu is None else self.gpu.allocator_budget_bytes - self.peak_reserved_bytes
+        return None if self.gpu is None else self.gpu.training_budget_bytes - self.peak_reserved_bytes
 
     @property
     def tight(self) -> bool | None:
         """Within 5 % of the budget either way: the reserved peak varies by a few percent between runs."""
         if self.gpu is None:
             return None
-        return abs(self.headroom_bytes) < 0.05 * self.gpu.allocator_budget_bytes or bool(self.fits and self.retries_expected)
+        return abs(self.headroom_bytes) < 0.05 * self.gpu.training_budget_bytes or bool(self.fits and self.retries_expected)
 
     def largest_terms(self, n: int = 3) -> list[tuple[str, int]]:
         items = [(k, v) for k, v in self.breakdown.items() if v > 0]

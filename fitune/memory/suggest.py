@@ -59,7 +59,7 @@ def suggest_changes(model: ModelSpec, setup: TrainSetup, gpu: GpuSpec, base: Mem
     need = (base or estimate(model, setup, gpu)).peak_reserved_bytes
     bigger = sorted((resolve_gpu(n) for n in catalog_gpu_names()), key=lambda g: g.allocator_budget_bytes)
     for g in bigger:
-        if g.allocator_budget_bytes >= need and g.supports_bf16:
+        if g.training_budget_bytes >= need and g.supports_bf16:
             out.append(Suggestion(f"--gpu {g.name}", f"{g.allocator_budget_bytes / GiB:.1f} GiB for the allocator", need, True))
             break
     return out

@@ -163,5 +163,5 @@ class FastEstimator:
 
     def _budget(self, e) -> int | None:
         """The estimate's budget: a multi-GPU rank's is smaller by what NCCL takes outside the allocator."""
-        return None if e.gpu is None else e.gpu.allocator_budget_bytes
+        return None if e.gpu is None else e.gpu.training_budget_bytes
 

@@ -390,7 +390,7 @@ def plan(req: PlanRequest, fast: FastEstimator | None = None, progress=None) -> 
     `progress(done, total)`, when given, is called as the setups are visited (the CLI's progress bar)."""
     req.validate()
     fast = fast or FastEstimator(req.model, req.gpu)
-    budget = req.gpu.allocator_budget_bytes
+    budget = req.gpu.training_budget_bytes
     rejected: list[Rejection] = []
     methods = []
     for method in req.methods:
@@ -462,7 +462,7 @@ class _Search:
 
     def __init__(self, req: PlanRequest, fast: FastEstimator, methods: list[str], unprobed: dict[tuple, list[int]]):
         self.req, self.fast, self.unprobed = req, fast, unprobed
-        self.budget = req.gpu.allocator_budget_bytes
+        self.budget = req.gpu.training_budget_bytes
         self.accepted: list[_Group] = []
         self.infeasible: list[_Group] = []
         self.ceilings: list[_Group] = []  # per option and checkpointing: the lightest setup at the first micro over
@@ -550,7 +550,7 @@ def _selective_twin(req: PlanRequest, fast: FastEstimator, g: _Group) -> _Group 
     SELECTIVE_MAX_SHARE of the layers would be needed. The first Adam-family optimizer (by preference) that
     gets there."""
     layers = req.model.num_layers
-    target = (1 - TIGHT_SHARE) * req.gpu.allocator_budget_bytes
+    target = (1 - TIGHT_SHARE) * req.gpu.training_budget_bytes
     for opt in [o for o in OPTIMIZER_PREFERENCE if o in req.optimizers and o in ADAM_FAMILY]:
         none = fast.estimate(_setup(req, g, opt))
         full = fast.estimate(_setup(req, dataclasses.replace(g, ckpt="full"), opt))
@@ -719,7 +719,7 @@ def _offload_host_rejection(req: PlanRequest, method: str) -> Rejection | None:
     need = _offload_run_host_bytes(req, 1, method)
     return Rejection(label, f"{label}: the run needs {_fmt(need)} of host RAM (each layer's input, 1 row, waits in "
                      f"host memory; a save adds its copies) > {_fmt(req.host_ram_bytes)} {req.host_ram_origin}",
-                     None, None, req.gpu.allocator_budget_bytes, "host_ram")
+                     None, None, req.gpu.training_budget_bytes, "host_ram")
 
 
 def _packing(req: PlanRequest, micro: int, attn: str) -> bool:
@@ -1113,7 +1113,7 @@ def _host_ram_rejection(req: PlanRequest, method: str) -> Rejection | None:
         return None
     label = METHOD_LABELS[method]
     return Rejection(label, f"{label}: {phase} needs {_fmt(need)} of host RAM ({why}) > {_fmt(req.host_ram_bytes)} "
-                     f"{req.host_ram_origin}", None, None, req.gpu.allocator_budget_bytes, "host_ram")
+                     f"{req.host_ram_origin}", None, None, req.gpu.training_budget_bytes, "host_ram")
 
 
 def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -> tuple[FastEstimate | None, list[Change]]:
@@ -1155,9 +1155,9 @@ def _what_would_fit(req: PlanRequest, fast: FastEstimator, methods: list[str]) -
     need = lightest_adam.peak_reserved_bytes
     for name in sorted(catalog_gpu_names(), key=lambda n: resolve_gpu(n).allocator_budget_bytes):
         g = resolve_gpu(name)
-        if g.allocator_budget_bytes < need or not g.supports_bf16:
+        if g.training_budget_bytes < need or not g.supports_bf16:
             continue
-        changes.append(Change(f"--gpu {name}", f"{_fmt(g.allocator_budget_bytes)} for the allocator holds the "
+        changes.append(Change(f"--gpu {name}", f"{_fmt(g.training_budget_bytes)} for the step holds the "
                               f"{_fmt(need)} reserved peak ({METHOD_LABELS[m]}, {_describe_lightest(lightest_adam.setup)})",
                               lightest_adam.peak_allocated_bytes, True, False, True))
         break
@@ -1171,7 +1171,7 @@ def _sharding_change(req: PlanRequest, minimum: FastEstimate) -> Change:
     b = minimum.breakdown
     sharded = sum(b.get(k, 0) for k in ("weights", "adapter_weights", "gradients", "optimizer_states"))
     rest = minimum.peak_allocated_bytes - sharded
-    budget = req.gpu.allocator_budget_bytes
+    budget = req.gpu.training_budget_bytes
     if rest >= budget or sharded <= 0:
         return Change("more GPUs", "do not help: data parallel keeps a full copy per GPU, and what is not sharded "
                       f"({_fmt(rest)}) is over the budget alone", minimum.peak_allocated_bytes, False, False, False)

@@ -70,7 +70,8 @@ def limit_allocator(budget_bytes: int | None) -> None:
     cap (c10/cuda/CUDACachingAllocator.cpp `alloc_block`), though mapping only what the free end of the segment lacks
     would fit, and the allocator then empties its cache and retries. On the card itself only the physical memory
     stops the mapping. FITUNE_CAP_MODE=ballast (`CAP_MODE_ENV`) behaves as the card: the memory beyond the budget is
-    taken once, outside PyTorch."""
+    taken once, outside PyTorch, once cuBLAS is up (a first matmul): the kernels loaded later take from the budget, as
+    on the card (fitune/specs/gpu.py `kernel_images_bytes`)."""
     import torch
 
     _release_ballast()
@@ -106,6 +107,9 @@ def _hold_ballast(budget_bytes: int) -> None:
     import torch
 
     torch.cuda.init()
+    warm = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+    (warm @ warm).sum().item()  # cuBLAS up, as the card's context constant counts it (fitune/specs/gpu.py)
+    del warm
     free_bytes, _ = torch.cuda.mem_get_info()
     n = ballast_bytes(free_bytes, budget_bytes, torch.cuda.memory_reserved())
     if not n:

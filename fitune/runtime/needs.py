@@ -23,7 +23,7 @@ from ..memory import estimate, phases as phase_terms
 from ..memory.phases import (HOST_LOAD_BASELINE_BYTES, HOST_RUNTIME_BASELINE_BYTES, SAVE_PRETRAINED_SHARD_BYTES,
                              dense_weight_bytes, eval_choice, phase_peaks, source_of)
 from ..specs import optimizers as optimizer_specs
-from ..specs.gpu import cuda_context_bytes, resolve_gpu
+from ..specs.gpu import cuda_context_bytes, kernel_images_bytes, resolve_gpu
 from ..specs.model import load_model_spec
 from ..units import gib
 
@@ -262,23 +262,25 @@ def phase_warnings(cfg, gpu_budget_bytes: int | None, phases=None) -> list[str]:
 
 
 def gpu_budget_bytes() -> int | None:
-    """PyTorch's allocator budget on this machine's first CUDA GPU (its memory less the CUDA context,
-    fitune/specs/gpu.py `cuda_context_bytes`); None without one. Imports torch."""
+    """A training step's budget on this machine's first CUDA GPU: its memory less the CUDA context and the kernel
+    images the run loads (fitune/specs/gpu.py `cuda_context_bytes`, `kernel_images_bytes`); None without one.
+    Imports torch."""
     if not cuda_available():
         return None
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    return int(props.total_memory) - cuda_context_bytes(f"{props.major}.{props.minor}")
+    cc = f"{props.major}.{props.minor}"
+    return int(props.total_memory) - cuda_context_bytes(cc) - kernel_images_bytes()
 
 
 def run_budget_bytes(cfg, on_cuda: bool) -> int | None:
-    """The GPU budget the run trains in: the `cap:` card's allocator budget, else this GPU's (`gpu_budget_bytes`);
-    None without CUDA."""
+    """The GPU budget a training step has in the run: the `cap:` card's (less the kernel images the run loads), else
+    this GPU's (`gpu_budget_bytes`); None without CUDA."""
     if not on_cuda:
         return None
     if getattr(cfg, "cap", None):  # the run caps the allocator at a smaller card's budget
-        return resolve_gpu(str(cfg.cap), "cap").allocator_budget_bytes
+        return resolve_gpu(str(cfg.cap), "cap").training_budget_bytes
     return gpu_budget_bytes()
 
 

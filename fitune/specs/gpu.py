@@ -28,6 +28,26 @@ HOPPER_CONTEXT_BYTES = 718_077_952
 #: (../shared/GPU.md, the project's reference for simulating the user's card) -> 24,564 MiB - 23.4 GiB.
 CONSUMER_CONTEXT_BYTES = 24_564 * MiB - int(23.4 * GiB)
 
+#: Device memory the kernels a training run loads after its first matmul take outside PyTorch's allocator: CUDA loads
+#: kernel images lazily, as each kernel is first used (more of cuBLAS's GEMMs, the Triton kernels of compiled layers
+#: and Liger, bitsandbytes', flash attention's), and each stays resident; on a card they come out of what the
+#: allocator had. Measured on an H100 (QLoRA r32 all-linear 8B, compiled layers, offloaded checkpoints, 131,072 tokens;
+#: bench/results/issue33/ballast_131k): 946,051,482 B outside the allocator after each step, 227,973,530 B more than
+#: the context with cuBLAS up (HOPPER_CONTEXT_BYTES).
+KERNEL_IMAGES_BYTES = 946_051_482 - HOPPER_CONTEXT_BYTES
+
+
+def kernel_images_bytes() -> int:
+    """Bytes a training run's kernel images take outside the allocator beyond the card's context constant
+    (`cuda_context_bytes`, the context with cuBLAS up): a plan leaves them room (its reserved peak plus these stays
+    within the card's budget).
+
+    Formula: a constant, the growth measured on one Hopper configuration (above), taken for every generation (the
+    kernels are the same code; their images' sizes differ by architecture: expect +-100 MiB, and other kernels,
+    another attention or no Triton, load other images).
+    """
+    return KERNEL_IMAGES_BYTES
+
 
 #: Effective GB/s each way of a PCIe x16 link (about 80 % of the raw 16 / 32 / 64 GB/s): an assumption, not
 #: measured. A GPU whose catalog entry names no PCIe generation is taken as 5.0.
@@ -72,6 +92,17 @@ class GpuSpec:
     note: str = ""
     """How the name given was read, when it was not a catalog name as written (`RTX 4090` -> rtx4090, `24GB` -> a
     24 GB card, `24GiB` -> exactly that for the allocator): printed beside the verdict."""
+
+    kernel_images_bytes: int = 0
+    """Bytes the kernels a run loads after it starts take outside the allocator, out of `allocator_budget_bytes`: a
+    catalog card's `kernel_images_bytes()`; 0 for a budget given in bytes (`23.4GiB` is what the
+    allocator has once the run's kernels are loaded)."""
+
+    @property
+    def training_budget_bytes(self) -> int:
+        """What a training step's reserved peak may reach: the allocator's budget less the kernel images the run
+        loads after it starts. Plans and fit verdicts use it."""
+        return self.allocator_budget_bytes - self.kernel_images_bytes
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -169,6 +200,7 @@ def _catalog_gpu(key: str, note: str = "") -> GpuSpec:
         link_source=e.get("link_source", ""),
         host_link_gb_s=PCIE_GB_S.get(e.get("pcie") or "", PCIE_GB_S["5.0 x16"]),
         note=note,
+        kernel_images_bytes=kernel_images_bytes(),
     )
 
 
