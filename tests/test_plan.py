@@ -150,7 +150,12 @@ def test_seeds_case_fits_micro_batch_two_with_fitunes_runner():
     assert best.trained_tokens_per_s == pytest.approx(plain.trained_tokens_per_s, rel=0.005)
     for p in (best, plain):
         assert p.setup.lean_lora and p.setup.lean_norm and p.setup.expandable_segments
-        assert not p.retries_expected and p.peak_reserved_bytes < resolve_gpu("rtx4090").allocator_budget_bytes
+        assert p.peak_allocated_bytes < resolve_gpu("rtx4090").training_budget_bytes
+    assert not best.retries_expected
+    # the hf loss's reserved peak is within the allocator's 23.4 GiB but not once the kernels the run loads take
+    # theirs (fitune/specs/gpu.py `kernel_images_bytes`): allocator retries expected, ranked after
+    assert plain.peak_reserved_bytes < resolve_gpu("rtx4090").allocator_budget_bytes
+    assert plain.retries_expected == (plain.peak_reserved_bytes > resolve_gpu("rtx4090").training_budget_bytes)
     hf = estimate(load_model_spec("llama-3.1-8b"), TrainSetup(batch_size=2, grad_checkpointing="full"),
                   resolve_gpu("rtx4090"))
     assert hf.retries_expected  # the plain script's same setup
@@ -160,10 +165,10 @@ def test_seeds_case_explains_the_options_that_do_not_fit():
     result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=2,
                               methods=("lora", "qlora", "full"), losses=("hf",)))
     messages = "\n".join(r.message for r in result.rejected)
-    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.98 GiB > 23.40 GiB" in messages
+    assert "LoRA, micro-batch 1 x 2 accumulation, checkpointing none, sdpa, adamw: 25.98 GiB > 23.19 GiB" in messages
     assert any(r.option == "full fine-tune" and r.reason == "over_budget" for r in result.rejected)
     full = next(r for r in result.rejected if r.option == "full fine-tune")
-    assert full.peak_allocated_bytes > full.budget_bytes and "GiB > 23.40 GiB budget" in full.message
+    assert full.peak_allocated_bytes > full.budget_bytes and "GiB > 23.19 GiB budget" in full.message
 
 
 def test_nothing_fits_gives_the_smallest_requirement_and_changes():
@@ -340,9 +345,10 @@ def _run(args, capsys):
 def test_cli_table_and_rejections(capsys):
     rc, out, _ = _run(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2"], capsys)
     assert rc == 0
-    assert "fitune plan: llama-3.1-8b on rtx4090 (23.40 GiB for PyTorch's allocator)" in out
+    assert ("fitune plan: llama-3.1-8b on rtx4090 (23.40 GiB for PyTorch's allocator, 23.19 GiB for the step once "
+            "the run's kernels load (0.21 GiB))") in out
     assert " 1 " in out and "turns on:" in out and "does not fit:" in out
-    assert "GiB > 23.40 GiB budget" in out
+    assert "GiB > 23.19 GiB budget" in out
     assert "scaled to the rtx4090" in out  # the speed assumption is said
 
 
@@ -370,7 +376,7 @@ def test_cli_nothing_fits(capsys):
     rc, out, err = _run(args, capsys)
     assert rc == 2 and out == ""
     assert err.startswith("fitune plan: error: nothing fits llama-3.1-8b on rtx4090")
-    assert "LoRA: " in err and "GiB > 23.40 GiB budget at the least" in err
+    assert "LoRA: " in err and "GiB > 23.19 GiB budget at the least" in err
     assert "the smallest requirement:" in err and "changes that would fit:" in err
     assert "--seq-len " in err and "--gpu " in err
     rc, out, _ = _run(args + ["--json"], capsys)
@@ -796,10 +802,16 @@ def test_tight_qlora_plan_gets_a_selective_twin_that_ranks_first():
     """QLoRA r16 all-linear, 2 x 2048, compiled layers on a 24 GB card (the setup of bench/results/issue32/): without
     checkpointing micro-batch 2 fits with 0.1 GiB to spare and ran out of memory in its first step on the GPU. The
     search tries checkpointing on the first K layers only, with K the smallest that leaves a plan's room, and ranks
-    the tight plan at the speed of what the OOM guard runs instead (micro-batch 1 x 2)."""
+    the tight plan at the speed of what the OOM guard runs instead (micro-batch 1 x 2). Since the card's budget leaves
+    room for the kernel images the run loads, the tight plan no longer fits the card at all (which is what the GPU
+    measured); the ranking of a plan at risk is checked on the allocator's 23.4 GiB without that room."""
     from fitune.plan.search import AT_RISK_SHARE, TIGHT_SHARE, fallback_setup, ranked_tokens_per_s
 
-    model, gpu = load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090")
+    model = load_model_spec("llama-3.1-8b")
+    card = plan(PlanRequest(model, resolve_gpu("rtx4090"), **QLORA_ALL_LINEAR))
+    assert not any(p.setup.grad_checkpointing == "none" and p.setup.batch_size == 2 for p in card.plans)
+    gpu = dataclasses.replace(resolve_gpu("rtx4090"), kernel_images_bytes=0)
+    assert card.plans[0].setup == plan(PlanRequest(model, gpu, **QLORA_ALL_LINEAR)).plans[0].setup
     result = plan(PlanRequest(model, gpu, **QLORA_ALL_LINEAR))
     first = result.plans[0]
     k = first.setup.selective_k()
@@ -855,7 +867,8 @@ def test_selective_orders_between_none_and_full():
 
 
 def test_cli_says_at_risk_and_emits_selective_checkpointing(capsys):
-    args = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "2", "--method", "qlora",
+    """On the allocator's 23.4 GiB exactly (no room for kernel images: on the rtx4090 the plan at risk does not fit)."""
+    args = ["plan", "llama-3.1-8b", "--gpu", "23.4GiB", "--seq-len", "2048", "--batch-size", "2", "--method", "qlora",
             "--lora-rank", "16", "--lora-targets", "all-linear", "--compile", "layers"]
     rc, out, _ = _run(args, capsys)
     assert rc == 0

@@ -63,16 +63,20 @@ def test_the_first_plan_was_the_measured_fastest(workload):
 def test_todays_planner_still_proposes_the_plans_that_were_run(workload, capsys):
     """The GPU machine had liger-kernel installed, so the plans were made with Liger's kernels (`--kernels liger`
     here, where it is not installed). Plan 1 must be the same setup; the others the same set (ties within 1 % may
-    swap)."""
-    rc = main(["plan", *WORKLOADS[workload], "--kernels", "liger", "--top", "3", "--json"])
+    swap). Since the card's budget leaves room for the kernel images a run loads (fitune/specs/gpu.py
+    `kernel_images_bytes`), the seeds' plan 1 is within 5 % of the step's budget, and its selective twin (slower,
+    with room) ranks between it and the others: one plan more is listed, and it is that twin."""
+    rc = main(["plan", *WORKLOADS[workload], "--kernels", "liger", "--top", "4", "--json"])
     assert rc == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
     # records made before the `compile` and `offload_embeddings` keys existed ran without them: their defaults
     ran = {r["plan"]: {"compile": "none", "offload_embeddings": False, **r["setup"]}
            for r in RECORDS if r["workload"] == workload}
     assert plans[0]["setup"] == ran[1]
-    assert sorted(json.dumps(p["setup"], sort_keys=True) for p in plans) == \
-        sorted(json.dumps(s, sort_keys=True) for s in ran.values())
+    twin = lambda s: s["grad_checkpointing"].startswith("selective:") and {**s, "grad_checkpointing": "none"} == ran[1]  # noqa: E731
+    today = [json.dumps(p["setup"], sort_keys=True) for p in plans if not twin(p["setup"])][:len(ran)]
+    assert sorted(today) == sorted(json.dumps(s, sort_keys=True) for s in ran.values())
+    assert sum(twin(p["setup"]) for p in plans) <= 1
 
 
 def test_readme_ranking_table_is_the_record():
