@@ -487,9 +487,10 @@ def retry_cause_note(root: str) -> str:
     """Where those retries come from: reserved at the estimate under the memory fraction
     (bench/results/issue33/noretry), the same plan under the card-like cap (bench/results/issue33/ballast), and
     131,072 tokens under it with the memory outside the allocator recorded (bench/results/issue33/ballast_131k)."""
-    from fitune.specs.gpu import CONSUMER_CONTEXT_BYTES
+    from fitune.specs.gpu import CONSUMER_CONTEXT_BYTES, KERNEL_IMAGES_BYTES, resolve_gpu
     from fitune.units import parse_memory_bytes
 
+    rtx = resolve_gpu("rtx4090")
     gib = 2 ** 30
     (b,) = [x for x in _lines(root, "bench", "results", "issue33", "ballast", "lanes", "max_context.jsonl")
             if x.get("probe") and x["stack"] == "fitune"]
@@ -509,7 +510,10 @@ def retry_cause_note(root: str) -> str:
             f"(commit {c['provenance']['commit'][:7]}), it retried {c['alloc_retries_per_step'][0]} and "
             f"{c['alloc_retries_per_step'][1]} times, the process holding "
             f"{c['outside_allocator_bytes_per_step'][-1] / 2**20:,.0f} MiB outside PyTorch's allocator after each step "
-            f"where the budget leaves {CONSUMER_CONTEXT_BYTES / 2**20:,.0f} MiB ([docs/phases.md](docs/phases.md)).")
+            f"where the budget leaves {CONSUMER_CONTEXT_BYTES / 2**20:,.0f} MiB ([docs/phases.md](docs/phases.md)). "
+            f"A card's plans now leave room for the {KERNEL_IMAGES_BYTES / 2**20:,.0f} MiB of kernel images a run loads "
+            f"after cuBLAS is up (`--gpu rtx4090`: {_n(rtx.training_budget_bytes)} B for the step of "
+            f"{_n(rtx.allocator_budget_bytes)} B for the allocator; `--gpu 23.4GiB` stays the allocator's).")
 
 
 def torch_minor_of(root: str) -> str:
