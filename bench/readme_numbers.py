@@ -512,8 +512,8 @@ def retry_cause_note(root: str) -> str:
             f"{c['outside_allocator_bytes_per_step'][-1] / 2**20:,.0f} MiB outside PyTorch's allocator after each step "
             f"where the budget leaves {CONSUMER_CONTEXT_BYTES / 2**20:,.0f} MiB ([docs/phases.md](docs/phases.md)). "
             f"A card's plans now leave room for the {KERNEL_IMAGES_BYTES / 2**20:,.0f} MiB of kernel images a run loads "
-            f"after cuBLAS is up (`--gpu rtx4090`: {_n(rtx.training_budget_bytes)} B for the step of "
-            f"{_n(rtx.allocator_budget_bytes)} B for the allocator; `--gpu 23.4GiB` stays the allocator's).")
+            f"after cuBLAS is up (`--gpu rtx4090`: {rtx.training_budget_bytes / gib:.2f} GiB for the step of the "
+            f"allocator's {rtx.allocator_budget_bytes / gib:.2f}; `--gpu 23.4GiB` stays the allocator's).")
 
 
 def torch_minor_of(root: str) -> str:
