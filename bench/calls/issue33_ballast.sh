@@ -7,8 +7,10 @@
 # BALLAST_LENGTHS: the lengths to probe instead of the plan's longest, comma-separated, each `fitune plan --seq-len N`'s
 # plan 1 (131,072 is 1.50x Unsloth's out-of-memory length at 23.4 GiB; bench/results/issue33/ballast ran the plan's
 # 141,312: 20 and 31 retries). Each step line carries `outside_allocator_bytes` since commit 5d1a58c.
-# BALLAST_PLAN_GPU: plan for this budget instead of the cap (room under the cap for the 902 MiB a training process holds
+# BALLAST_PLAN_GPU: plan for this GPU instead of the cap (room under the cap for the 902 MiB a training process holds
 # outside PyTorch's allocator, bench/results/issue33/ballast_131k); the run is still capped at BALLAST_CAP.
+# BALLAST_PLAN_GPU=rtx4090 plans as a 4090's user does: the card's 23.4 GiB less the kernel images a run loads after
+# cuBLAS is up (fitune/specs/gpu.py `kernel_images_bytes`), which the ballast, sized after a first matmul, charges too.
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue33_ballast.sh $OUT
 #   BALLAST_LENGTHS=131072,122880 PEERS_BUDGET_S=540 bash bench/calls/issue33_ballast.sh $OUT
 set -u
