@@ -76,8 +76,8 @@ def check_output_file(path: str, flag: str, make_parents: bool = False) -> None:
 
 
 def kernel_images_said(gpu, fmt=gib) -> str:
-    """`, X for the step (Y of kernel images the run loads later)` after a GPU's allocator budget, when the two
-    differ (fitune/specs/gpu.py `kernel_images_bytes`)."""
+    """`, X for the step once the run's kernels load (Y)` after a GPU's allocator budget, when the two differ
+    (fitune/specs/gpu.py `kernel_images_bytes`); "" otherwise."""
     images = gpu.allocator_budget_bytes - gpu.training_budget_bytes
     if not images:
         return ""

@@ -33,7 +33,7 @@ CONSUMER_CONTEXT_BYTES = 24_564 * MiB - int(23.4 * GiB)
 #: and Liger, bitsandbytes', flash attention's), and each stays resident; on a card they come out of what the
 #: allocator had. Measured on an H100 (QLoRA r32 all-linear 8B, compiled layers, offloaded checkpoints, 131,072 tokens;
 #: bench/results/issue33/ballast_131k): 946,051,482 B outside the allocator after each step, 227,973,530 B more than
-#: the context with cuBLAS up (HOPPER_CONTEXT_BYTES).
+#: the context with cuBLAS up (HOPPER_CONTEXT_BYTES, measured on an H200 with the same PyTorch and CUDA).
 KERNEL_IMAGES_BYTES = 946_051_482 - HOPPER_CONTEXT_BYTES
 
 
@@ -94,14 +94,14 @@ class GpuSpec:
     24 GB card, `24GiB` -> exactly that for the allocator): printed beside the verdict."""
 
     kernel_images_bytes: int = 0
-    """Bytes the kernels a run loads after it starts take outside the allocator, out of `allocator_budget_bytes`: a
-    catalog card's `kernel_images_bytes()`; 0 for a budget given in bytes (`23.4GiB` is what the
-    allocator has once the run's kernels are loaded)."""
+    """Bytes the kernels a run loads after cuBLAS is up take outside the allocator, out of `allocator_budget_bytes`:
+    a catalog card's `kernel_images_bytes()`; 0 for a budget given in bytes (`23.4GiB` is what the allocator has
+    once the run's kernels are loaded)."""
 
     @property
     def training_budget_bytes(self) -> int:
-        """What a training step's reserved peak may reach: the allocator's budget less the kernel images the run
-        loads after it starts. Plans and fit verdicts use it."""
+        """What a training step's reserved peak may reach: the allocator's budget less `kernel_images_bytes`. Plans
+        and fit verdicts use it."""
         return self.allocator_budget_bytes - self.kernel_images_bytes
 
     @property
