@@ -3,6 +3,8 @@ flag to write, and exit 2: never argparse's bare "unrecognized arguments"."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fitune.cli.main import main
@@ -40,3 +42,38 @@ def test_a_value_given_to_an_on_off_flag_says_how_to_write_it(argv, flag, value,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "usage:" not in err
     assert f"{flag} takes no value (got {value!r})" in err and f"`{yaml_key}: true`" in err
+
+
+@pytest.mark.parametrize("command, model_args", [
+    ("estimate", ["--model", "llama-3.1-8b"]),
+    ("estimate", ["--model_name_or_path=llama-3.1-8b"]),
+    ("plan", ["--base-model", "llama-3.1-8b"]),
+    ("plan", ["--model-name-or-path", "llama-3.1-8b"]),
+])
+def test_the_model_given_as_a_flag_is_the_model(command, model_args, capsys):
+    """`fitune plan --model X` (how vLLM and lm-eval take it; `--model_name_or_path` in HF's scripts and TRL, Axolotl's
+    `base_model`) runs as `fitune plan X`: the same JSON, wherever the flag stands."""
+    rest = ["--gpu", "rtx4090", "--json"] + (["--top", "1"] if command == "plan" else [])
+    assert main([command, "llama-3.1-8b"] + rest) == 0
+    positional = capsys.readouterr().out
+    assert main([command] + rest[:2] + model_args + rest[2:]) == 0
+    as_flag = capsys.readouterr().out
+
+    def without_timing(text):  # plan's JSON says how long its search took
+        doc = json.loads(text)
+        doc.get("search", {}).pop("seconds", None)
+        return doc
+    assert without_timing(as_flag) == without_timing(positional)
+
+
+def test_the_model_given_twice_is_one_line_and_exit_2(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "qwen2.5-7b", "--gpu", "rtx4090"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "given twice" in err and "--model llama-3.1-8b and qwen2.5-7b" in err
+
+
+def test_commands_without_a_model_argument_keep_their_message(capsys):
+    """chat takes a run folder: `--model` there is an unknown flag, and no "did you mean --help"."""
+    assert main(["chat", "--model", "x", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "--model is not a flag of fitune chat" in err and "--help?" not in err

@@ -9,7 +9,7 @@ import sys
 from .. import __version__
 from ..config import ALL_KEYS
 from ..errors import FituneError
-from ..schema import unknown_flag_hint
+from ..schema import FOREIGN_KEYS, unknown_flag_hint
 from . import chat, doctor, estimate, eval, export, generate, merge, plan, profile, report, train
 
 SUBCOMMANDS = (estimate, plan, train, chat, generate, eval, merge, export, profile, doctor, report)
@@ -27,6 +27,40 @@ def build_parser() -> argparse.ArgumentParser:
     for module in SUBCOMMANDS:
         module.add_parser(sub)
     return p
+
+
+#: How other tools name the model on a command line: `--model` (vLLM, lm-eval, llama.cpp's scripts) and the keys of
+#: FOREIGN_KEYS that mean fitune's `model` (`--model_name_or_path` of HF's example scripts and TRL, Axolotl's
+#: `base_model`), with - or _. Commands whose MODEL is positional take them as MODEL.
+MODEL_FLAGS = frozenset(["--model"] + [f"--{spelling}" for key, target in FOREIGN_KEYS.items() if target == "model"
+                                       for spelling in (key, key.replace("_", "-"))])
+
+
+def _model_flag_as_positional(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], str]:
+    """`fitune plan --model llama-3.1-8b ...` as `fitune plan llama-3.1-8b ...`: (argv, the flag it moved, or "").
+
+    Only for a command with a positional MODEL and no `--model` flag of its own (doctor has one), and only once."""
+    sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    where = next((i for i, a in enumerate(argv) if a in sub_action.choices), None)
+    if where is None:
+        return argv, ""
+    sub = sub_action.choices[argv[where]]
+    if not any(a.dest == "model" and not a.option_strings for a in sub._actions) or "--model" in sub._option_string_actions:
+        return argv, ""
+    for i in range(where + 1, len(argv)):
+        flag, eq, value = argv[i].partition("=")
+        if argv[i] == "--":
+            break
+        if flag not in MODEL_FLAGS:
+            continue
+        if eq:
+            rest = argv[:i] + argv[i + 1:]
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        else:
+            return argv, ""  # no value: the unknown-flag message says what to write
+        return rest[:where + 1] + [value] + rest[where + 1:], flag
+    return argv, ""
 
 
 def _value_after_a_switch(parser: argparse.ArgumentParser, command: str, argv: list[str], extras: list[str]) -> str:
@@ -58,7 +92,7 @@ def _unknown_arguments(parser: argparse.ArgumentParser, args, extras: list[str],
         parser.parse_args(argv)  # argparse prints usage and its message, and exits 2
         return 2
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    known = sorted(s for s in sub._option_string_actions if s.startswith("--"))
+    known = sorted(s for s in sub._option_string_actions if s.startswith("--") and s != "--help")
     for flag in flags:
         print(f"fitune {command}: error: {flag.split('=', 1)[0]} is not a flag of fitune {command}"
               f"{unknown_flag_hint(flag, known, ALL_KEYS)} (fitune {command} --help lists them)", file=sys.stderr)
@@ -86,7 +120,13 @@ def _drop_deepspeed_accelerator_notice() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv, model_flag = _model_flag_as_positional(parser, given)
     args, extras = parser.parse_known_args(argv)
+    if model_flag and extras and not any(e.startswith("-") for e in extras):
+        print(f"fitune {args.command}: error: the model is given twice ({model_flag} {args.model} and "
+              f"{' '.join(extras)}); give MODEL once, as the first argument or with {model_flag}", file=sys.stderr)
+        return 2
     if extras:
         return _unknown_arguments(parser, args, extras, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
