@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from fitune.cli.main import main  # noqa: E402
+from fitune.cli.plan import truncated_said  # noqa: E402
 from fitune.data import load_tokenizer, read_records, tokenize_records  # noqa: E402
 from fitune.plan.data import choose_seq_len, profile_data  # noqa: E402
 from tiny import make_tokenizer  # noqa: E402
@@ -87,7 +88,7 @@ def test_train_doctor_and_plan_count_the_same_tokens(tmp_path, tokenizer_dir, ca
     plan = json.loads(capsys.readouterr().out)
     assert plan["request"]["seq_len_tokens"] == SEQ_LEN
     assert plan["data"]["examples"] == doc["records"] and plan["data"]["max_tokens"] == doc["length_tokens"]["max"]
-    assert any(f"({stats.truncated_records} longer examples are truncated)" in note for note in plan["notes"])
+    assert any(truncated_said(stats.truncated_records) in note for note in plan["notes"])
 
 
 def test_fitune_train_says_which_records_it_drops(tmp_path, caplog):
@@ -104,3 +105,9 @@ def test_fitune_train_says_which_records_it_drops(tmp_path, caplog):
     assert any("dropped 2 records" in w and "(line 4:" in w and "(line 3;" in w for w in warnings), warnings
     info = " ".join(r.getMessage() for r in caplog.records)
     assert "3 examples" in info and "2 truncated at 16 tokens" in info and "2 dropped" in info
+
+
+def test_the_truncation_note_counts_in_words():
+    assert truncated_said(0) == ""
+    assert truncated_said(1) == " (1 longer example is truncated)"
+    assert truncated_said(1234) == " (1,234 longer examples are truncated)"

@@ -266,11 +266,18 @@ def _read_data(args, model):
     if given:
         truncated = sum(1 for n in profile.lengths_tokens if n > cap)
         notes = [f"{lengths}; --seq-len {cap:,} kept as given"
-                 + (f" ({truncated:,} longer examples are truncated)" if truncated else "")
+                 + truncated_said(truncated)
                  + (f" (without --seq-len the plan would use {seq:,}, from the lengths)" if seq < cap else "")]
         return profile, cap, notes
-    notes = [f"{lengths} -> --seq-len {seq}" + (f" ({truncated:,} longer examples are truncated)" if truncated else "")]
+    notes = [f"{lengths} -> --seq-len {seq}" + truncated_said(truncated)]
     return profile, seq, notes
+
+
+def truncated_said(truncated: int) -> str:
+    """' (3 longer examples are truncated)', ' (1 longer example is truncated)', or '' for none."""
+    if not truncated:
+        return ""
+    return f" ({truncated:,} longer example{'s are' if truncated > 1 else ' is'} truncated)"
 
 
 # ---- output -----------------------------------------------------------------------------------------------------
