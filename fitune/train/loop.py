@@ -43,8 +43,8 @@ from ..parallel.deepspeed_engine import release
 from ..parallel.ranks import mean
 from ..runtime import optim  # optim.build_optimizer: looked up when called (tests wrap it)
 from ..runtime import needs  # needs.eval_setting, needs.run_budget_bytes
-from ..runtime.device import (CAP_MODE_ENV, ballast_held_bytes, configure_allocator, limit_allocator,
-                              outside_allocator_bytes, pick_device, release_memory)
+from ..runtime.device import (CAP_MODE_ENV, ballast_held_bytes, configure_allocator, cpu_training_notice,
+                              limit_allocator, outside_allocator_bytes, pick_device, release_memory)
 from ..runtime.oom import is_oom
 from ..specs.gpu import resolve_gpu
 from ..units import GiB
@@ -227,6 +227,9 @@ def _start_device(cfg: TrainConfig, par) -> str:
     """The device this process trains on, its allocator configured (and capped to `cfg.cap`'s budget)."""
     configure_allocator(cfg.setup)  # before CUDA starts
     device = par.device or pick_device()  # [parallel] a rank runs on its own GPU (or CPU)
+    if device == "cpu" and par.device is None:  # one process without a GPU (not a rehearsal of several ranks)
+        for line in cpu_training_notice(cfg.setup.dtype):
+            log.warning("fitune train: %s", line)
     if cfg.cap and device == "cuda":
         limit_allocator(resolve_gpu(str(cfg.cap)).allocator_budget_bytes)  # behave as the smaller card would
         log.info("fitune train: capped at %s: %d bytes outside PyTorch's allocator now (the CUDA context; kernels "
