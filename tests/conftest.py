@@ -7,6 +7,22 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
+#: The longest tests (CI's `--durations`), collected first: pytest-xdist's load scheduler hands the first tests out
+#: one per worker, so each starts at once instead of ending the run alone. The persona test (10.6 min) ran last on one
+#: worker while the other sat idle, and CI's pytest took 31 min (2026-12-07).
+LONGEST_FIRST = ("test_lora_on_the_cpu_teaches_the_real_model_its_persona",
+                 "test_runner_trains_what_the_reference_loop_trains",
+                 "test_zero3_on_two_cpu_ranks_trains_the_global_batch_as_one_process_does",
+                 "test_real_model_q8_0_reads_back_within_the_stated_tolerance",
+                 "test_train_two_steps_from_the_gguf_file",
+                 "test_fifty_kill_9_at_random_moments_lose_nothing")
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FIRST's tests first, in its order; the rest keep theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(rank)))
+
 
 def _need_real_model():
     from tests.real_model import missing_reason
