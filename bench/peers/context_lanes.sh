@@ -10,6 +10,7 @@
 #
 # An item is STACK@CAP:LENGTHS[:KEY=VALUE] (LENGTHS as --lengths: comma-separated, 'plan' = fitune plan's longest;
 # KEY=VALUE: fitune, a setup key set in the written plan, --fitune-set, or plan_at=N, --fitune-plan-at, or
+# optimizer=NAME, --fitune-optimizer (fitune's first plan with that optimizer; default any: plan 1),
 # host_ram=NGiB, --fitune-host-ram (the host RAM fitune plan holds its plans to), plan_gpu=NGiB, --fitune-plan-gpu
 # (the budget fitune plan plans for, under the cap), or method=lora|qlora; several
 # joined by '+'). Unsloth runs
@@ -45,6 +46,7 @@ item() {  # item STACK@CAP:LENGTHS[:KEY=VALUE[,KEY=VALUE]]
         plan_gpu=*) sets+=(--fitune-plan-gpu "${kv#plan_gpu=}") ;;
         host_ram=*) sets+=(--fitune-host-ram "${kv#host_ram=}") ;;
         method=*) sets+=(--method "${kv#method=}") ;;
+        optimizer=*) sets+=(--fitune-optimizer "${kv#optimizer=}") ;;  # fitune's first plan with this optimizer
         *) sets+=(--fitune-set "$kv") ;;
       esac
     done
