@@ -7,6 +7,13 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
+# One math thread per pytest-xdist worker (and the fitune processes the tests start, which inherit it): two workers
+# on CI's two cores each asking for two OpenMP threads made four threads contend for two cores. Set before torch is
+# imported; a value the environment already gives is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 #: The longest tests (CI's `--durations`), collected first: pytest-xdist's load scheduler hands the first tests out
 #: one per worker, so each starts at once instead of ending the run alone. The persona test (10.6 min) ran last on one
 #: worker while the other sat idle, and CI's pytest took 31 min (2026-12-07).
