@@ -58,8 +58,8 @@ SLOW_HALF_PRECISION_RATIO = 2.0
 def cpu_training_notice(dtype_name: str, measure=matmul_gflops) -> list[str]:
     """What `fitune train` says when it trains on the CPU: that no CUDA GPU is visible and why it may be (a CPU-only
     build of PyTorch, or a CUDA build that sees no GPU), and, for bf16 / fp16, how much slower this CPU multiplies
-    matrices in that dtype than in fp32, measured now (CPUs without bf16 instructions emulate it: 1.4 against 156
-    GFLOP/s on the 2-core AMD EPYC of fitune's CI, where a 135M model's LoRA step of 512 tokens took 90 s in bf16).
+    matrices in that dtype than in fp32, measured now (CPUs without bf16 instructions emulate it: 1.34 against 157
+    GFLOP/s on the 2-core AMD EPYC of fitune's CI, bench/results/cpu/matmul.jsonl).
     `measure(dtype_name)` gives a dtype's GFLOP/s (tests pass their own)."""
     import torch
 
