@@ -28,7 +28,8 @@ How it stays fast (an 8B model answers in well under a second):
    twin with checkpointing on their first K layers, K the smallest that leaves a plan's room (`_selective_twins`).
 
 Ranking: plans without allocator retries first; then plans that keep the Adam update; then predicted tokens/s (a
-tight plan's 3 % less; a plan at risk of running out of memory in its first step, at its fallback's speed).
+tight plan's 3 % less with no room left, 1.5 % less with 5 % of room; a plan at risk of running out of memory in its
+first step, at its fallback's speed).
 The list holds the best plan of each method asked for (when it fits), then the next fastest.
 Alternatives whose predicted speeds are within 1 % count as equally fast (the throughput model cannot tell them
 apart) and the one with fewer changes from the defaults wins.
@@ -850,8 +851,10 @@ def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> t
 TIGHT_SHARE = 0.05
 """A plan whose reserved peak is within this share of the budget is `tight` (as `fitune estimate` marks it)."""
 TIGHT_PENALTY = 0.03
-"""Ranking handicap of a plan whose reserved peak is within 5 % of the budget (a fit that fragmentation decides):
-more than the model's tie margin, less than the differences it is sure of."""
+"""Ranking handicap of a plan whose reserved peak is at the budget (a fit that fragmentation decides): more than the
+model's tie margin, less than the differences it is sure of. It falls linearly to half of this at TIGHT_SHARE below
+the budget (`tightness_penalty`), so that of two tight plans predicted about as fast, the one with more room ranks
+first."""
 AT_RISK_SHARE = 0.02
 """A plan whose allocated peak is within this share of the budget may run out of memory in its first step: the
 estimate's allocated error is up to 2 % (the estimator's goal; measured within 1 %) and the allocator needs room
@@ -897,16 +900,34 @@ def _marked(req: PlanRequest, plans: list[Plan]) -> list[Plan]:
             s = fallback_setup(p.setup)
             fallback = None if s is None else _tokens_per_s(req, s, p.packing)[2]
         out.append(dataclasses.replace(p, tight=bool(tight), method_change=change, fallback_tokens_per_s=fallback))
-    out.sort(key=lambda p: (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -ranked_tokens_per_s(p)))
+    out.sort(key=plan_rank_key)
     return out
+
+
+def plan_rank_key(p: Plan) -> tuple:
+    """The order plans are shown and picked in: those expected to retry last, then the Adam family first, then
+    `ranked_tokens_per_s` (which handicaps tight plans by their room: `tightness_penalty`), and at equal ranked speed
+    the one with more room under the budget first."""
+    return (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -ranked_tokens_per_s(p), -p.headroom_bytes)
 
 
 def ranked_tokens_per_s(p: Plan) -> float:
     """The speed a plan ranks by: its fallback's when it is at risk of running out of memory (AT_RISK_SHARE);
-    else its own, TIGHT_PENALTY less when tight (at equal predicted speed the one with room wins)."""
+    else its own, less `tightness_penalty` (at equal predicted speed the one with room wins)."""
     if p.fallback_tokens_per_s is not None:
         return p.fallback_tokens_per_s
-    return p.trained_tokens_per_s * (1 - TIGHT_PENALTY * p.tight)
+    return p.trained_tokens_per_s * (1 - tightness_penalty(p))
+
+
+def tightness_penalty(p: Plan) -> float:
+    """The ranking handicap of a tight plan: TIGHT_PENALTY with no room left under the budget (or over it), falling
+    linearly to half of it at TIGHT_SHARE of room; 0 when not tight. Measured: at 131,072 tokens on the rtx4090's
+    budget, the plan with 0.57 % room by the estimate (136 MiB) took the allocator's whole room and retried 9 times
+    in its first step (bench/results/issue33/ballast_4090); a plan predicted as fast had 2.8 % (654 MiB)."""
+    if not p.tight:
+        return 0.0
+    room_share = min(max(p.headroom_bytes, 0) / p.budget_bytes / TIGHT_SHARE, 1.0)
+    return TIGHT_PENALTY * (1.0 - 0.5 * room_share)
 
 
 def fallback_setup(s: TrainSetup) -> TrainSetup | None:
