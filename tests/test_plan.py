@@ -885,3 +885,29 @@ def test_cli_says_at_risk_and_emits_selective_checkpointing(capsys):
     assert f"enable_selective_checkpointing(model, {k})" in code
     assert code.index("gradient_checkpointing_enable(") < code.index("enable_selective_checkpointing(model,")
     assert "gradient_checkpointing=True" not in code  # the Trainer would turn it on for every layer
+
+
+def test_of_two_tight_plans_equally_fast_the_roomier_ranks_first():
+    """QLoRA r32 all-linear at 1 x 131,072 on a 4090's budget: 8-bit AdamW with the embedding table on the GPU and
+    AdamW with it in host memory are predicted equally fast (within 0.001 %); the first has 0.57 % of room by the
+    estimate and, measured under the card's cap, used the allocator's whole room and retried 9 times in step 1
+    (bench/results/issue33/ballast_4090). The tight handicap falls with the room, so the roomier plan ranks first."""
+    from fitune.plan.search import TIGHT_PENALTY, TIGHT_SHARE, ranked_tokens_per_s, tightness_penalty
+
+    result = plan(PlanRequest(load_model_spec("llama-3.1-8b"), resolve_gpu("rtx4090"), batch_size=1,
+                              seq_len_tokens=131072, methods=("qlora",), lora_rank=32, lora_targets=("all-linear",),
+                              host_ram_bytes=64 * 2**30))
+    first, second = result.plans[:2]
+    assert first.tight and second.tight
+    assert first.trained_tokens_per_s == pytest.approx(second.trained_tokens_per_s, rel=1e-3)
+    assert first.headroom_bytes > second.headroom_bytes > 0
+    assert (first.setup.optimizer, first.setup.offload_embeddings) == ("adamw", True)
+    assert (second.setup.optimizer, second.setup.offload_embeddings) == ("adamw8bit", False)
+    assert ranked_tokens_per_s(first) > ranked_tokens_per_s(second)
+    # the handicap: TIGHT_PENALTY at the budget (or over it), half of it at TIGHT_SHARE of room, none with more
+    at = lambda room, tight=True: tightness_penalty(dataclasses.replace(  # noqa: E731
+        first, tight=tight, peak_reserved_bytes=first.budget_bytes - int(room * first.budget_bytes)))
+    assert at(0.0) == pytest.approx(TIGHT_PENALTY) and at(-0.01) == pytest.approx(TIGHT_PENALTY)
+    assert at(TIGHT_SHARE / 2) == pytest.approx(0.75 * TIGHT_PENALTY, rel=1e-6)
+    assert at(TIGHT_SHARE) == pytest.approx(TIGHT_PENALTY / 2, rel=1e-6)
+    assert at(0.2, tight=False) == 0.0
