@@ -116,6 +116,7 @@ FOREIGN_KEYS: dict[str, str] = {
     "dataset_text_field": "data.format: text", "train_file": "data.path", "eval_file": "data.eval_path",
     "torch_dtype": "dtype", "attn_implementation": "attn", "load_in_4bit": "method: qlora",
     "report_to": "report_to", "max_grad_norm": "max_grad_norm", "seed": "seed",
+    "use_peft": "method: lora",  # TRL's ModelConfig
     # PEFT LoraConfig, also written flat
     "lora_r": "lora.rank", "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
     "lora_target_modules": "lora.targets", "target_modules": "lora.targets", "r": "lora.rank",

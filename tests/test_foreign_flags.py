@@ -18,6 +18,7 @@ from fitune.cli.main import main
     (["estimate", "llama-3.1-8b", "--use-liger-kernel"], "did you mean --kernels liger?"),
     (["estimate", "llama-3.1-8b", "--learning-rate=1e-4"], "`learning-rate` is fitune's `lr`, which this command"),
     (["estimate", "llama-3.1-8b", "--seq-length", "4096"], "did you mean --seq-len?"),
+    (["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--use_peft"], "did you mean --method lora?"),  # TRL's ModelConfig
 ])
 def test_other_trainers_flags_get_a_did_you_mean(argv, expected, capsys):
     assert main(argv) == 2
