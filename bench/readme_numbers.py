@@ -550,7 +550,30 @@ def card_plan_note(root: str) -> str:
             f"{room / 2**20:,.0f} MiB under the step budget): it retried {d['alloc_retries_per_step'][0]} times in "
             f"its first step with {d['peak_reserved_bytes'] / gib:.2f} GiB reserved, the allocator's whole room, and "
             "its second step did not run in the call's time: whether it retries in steady state is not measured "
-            f"({_link(os.path.join('bench', 'results', 'issue33', 'ballast_4090'))}).")
+            f"({_link(os.path.join('bench', 'results', 'issue33', 'ballast_4090'))}). {roomier_plan_note(root)}")
+
+
+def roomier_plan_note(root: str) -> str:
+    """The 131,072-token plan `fitune plan --gpu rtx4090` ranks first since tight plans rank by their room, three
+    steps under the card-like cap, and Unsloth at 87,381 tokens after it in the same call
+    (bench/results/issue33/ballast_4090_adamw)."""
+    from fitune.specs.gpu import resolve_gpu
+
+    gib = 2 ** 30
+    rows = _lines(root, "bench", "results", "issue33", "ballast_4090_adamw", "max_context.jsonl")
+    (f,) = [x for x in rows if x.get("probe") and x["stack"] == "fitune"]
+    (u,) = [x for x in rows if x.get("probe") and x["stack"] == "unsloth"]
+    room = resolve_gpu("rtx4090").training_budget_bytes - f["est_peak_reserved_bytes"]
+    retries = f["alloc_retries_per_step"]
+    return (f"Since tight plans rank by their room, plan 1 at {_n(f['seq_len_tokens'])} tokens is AdamW with the "
+            f"embedding table in host memory (commit {f['provenance']['commit'][:7]}), "
+            f"{room / 2**20:,.0f} MiB under the step budget by its estimate; it trained {len(retries)} steps "
+            f"({f['peak_allocated_bytes'] / gib:.2f} GiB allocated, estimated {f['est_peak_allocated_bytes'] / gib:.2f}; "
+            f"host peak {f['host_peak_rss_bytes'] / gib:.1f} GiB, estimated {f['est_host_peak_bytes'] / gib:.1f}) "
+            f"with {', '.join(map(str, retries[:-1]))} and {retries[-1]} allocator retries, the allocator's whole room "
+            f"reserved again, where Unsloth ran out of memory at {_n(u['seq_len_tokens'])} tokens under the same cap "
+            "in the same call: the no-retries goal is not met yet "
+            f"({_link(os.path.join('bench', 'results', 'issue33', 'ballast_4090_adamw'))}).")
 
 
 def torch_minor_of(root: str) -> str:
