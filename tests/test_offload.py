@@ -147,28 +147,3 @@ def test_offload_on_the_gpu_is_exact_while_the_gpu_lags_the_host():  # pragma: n
         torch.testing.assert_close(loss, ref_loss)
         for n, g in ref_grads.items():
             torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
-
-
-def test_restored_inputs_take_turns_in_two_buffers_for_the_whole_backward():
-    """On CUDA each restored input goes into one of two buffers by its layer's parity (`OffloadManager._slot`), kept
-    from the first restore to the end of backward, so the caching allocator is not asked for a new 1 GiB block per
-    layer (bench/results/issue33/ballast_4090_adamw: 1 to 3 retries a step under the 4090's budget). The buffer
-    logic on CPU tensors: the same buffer for the same parity, the other for the other, a new one when the shape
-    changes, layer 0's backward drops the other, and the end of backward drops both."""
-    from types import SimpleNamespace
-
-    from fitune.runtime.techniques.offload import OffloadManager
-
-    manager = OffloadManager()
-    ctx = SimpleNamespace(host=torch.zeros(1, 4, 8, dtype=torch.bfloat16), device=torch.device("cpu"))
-    a, b = manager._slot(3, ctx), manager._slot(2, ctx)
-    assert a is not b and manager._slot(1, ctx) is a and manager._slot(0, ctx) is b
-    assert a.shape == (1, 4, 8) and a.dtype == torch.bfloat16
-    longer = SimpleNamespace(host=torch.zeros(1, 6, 8, dtype=torch.bfloat16), device=torch.device("cpu"))
-    c = manager._slot(1, longer)
-    assert c is not a and c.shape == (1, 6, 8) and manager._slot(1, longer) is c
-    manager.prefetch(-1)  # layer 0's backward: layer 1's buffer is done with
-    assert manager._slots[1] is None and manager._slots[0] is b
-    manager.contexts = [None, SimpleNamespace(buffer=None)]
-    manager.release(1)  # the last context of the backward
-    assert manager._slots == [None, None] and manager.contexts == []

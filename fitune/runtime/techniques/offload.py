@@ -124,7 +124,6 @@ class OffloadManager:
         self.contexts: list = []
         self._stream = None
         self.pool = pool
-        self._slots: list = [None, None]  # the two GPU buffers restored inputs take turns in (`_slot`)
 
     def stream(self, device):
         if self._stream is None and device.type == "cuda":
@@ -137,10 +136,7 @@ class OffloadManager:
 
     def prefetch(self, index: int) -> None:
         """Start copying the input of context `index` back to its device (no-op if already done)."""
-        if index < 0:  # layer 0's backward: nothing left to restore, the other buffer's last reader is done
-            self._slots[1] = None
-            return
-        if index >= len(self.contexts):
+        if index < 0 or index >= len(self.contexts):
             return
         ctx = self.contexts[index]
         if ctx is None or getattr(ctx, "restored", None) is not None:
@@ -157,28 +153,13 @@ class OffloadManager:
         # bench/results/issue33/rows). The side stream first waits for the compute stream's work so far: the block
         # may be one that work still reads.
         compute = torch.cuda.current_stream(ctx.device)
-        restored = self._slot(index, ctx)
+        restored = torch.empty(ctx.host.shape, dtype=ctx.host.dtype, device=ctx.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             restored.copy_(ctx.host, non_blocking=True)
             ctx.ready = torch.cuda.Event()
             ctx.ready.record(stream)
         ctx.restored = restored
-
-    def _slot(self, index: int, ctx):
-        """The GPU buffer context `index`'s input is restored into: one of two, by the index's parity, kept for the
-        whole backward. Backward runs the layers from the last down and restores one layer ahead, so at most two
-        restored inputs live at once: layer i's, which it recomputes from, and layer i-1's, on its way. Layer
-        i-2's copy goes into layer i's buffer only after the compute stream's work on it (the side stream waits for
-        the compute stream first). Before (2026-12-07), each restore was a new block of the caching allocator
-        (1.07 GiB at 131,072 tokens of Llama-3.1-8B), freed after its layer: the blocks of other sizes made and
-        freed around them left gaps, and under the 4090's budget the run reserved the allocator's whole room and
-        retried 1 to 3 times a step (bench/results/issue33/ballast_4090_adamw). Allocated on the compute stream:
-        see `prefetch`."""
-        slot = self._slots[index % 2]
-        if slot is None or slot.shape != ctx.host.shape or slot.dtype != ctx.host.dtype or slot.device != ctx.device:
-            slot = self._slots[index % 2] = torch.empty(ctx.host.shape, dtype=ctx.host.dtype, device=ctx.device)
-        return slot
 
     def host_copy(self, shape, dtype):
         """Where a checkpoint waits: (host tensor, its pool buffer), the pool made on first use."""
@@ -195,7 +176,6 @@ class OffloadManager:
         self.contexts[index] = None
         if all(c is None for c in self.contexts):
             self.contexts.clear()
-            self._slots = [None, None]  # backward is over: the buffers go back to the allocator until the next one
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
