@@ -573,7 +573,9 @@ def roomier_plan_note(root: str) -> str:
             f"with {', '.join(map(str, retries[:-1]))} and {retries[-1]} allocator retries, the allocator's whole room "
             f"reserved again, where Unsloth ran out of memory at {_n(u['seq_len_tokens'])} tokens under the same cap "
             "in the same call: the no-retries goal is not met yet "
-            f"({_link(os.path.join('bench', 'results', 'issue33', 'ballast_4090_adamw'))}).")
+            f"({_link(os.path.join('bench', 'results', 'issue33', 'ballast_4090_adamw'))}; restoring the offloaded "
+            "inputs into two fixed buffers did not change that: "
+            f"{_link(os.path.join('bench', 'results', 'issue33', 'ballast_staging'))}).")
 
 
 def torch_minor_of(root: str) -> str:

@@ -574,3 +574,16 @@ def test_the_roomier_131k_plan_ran_three_steps_with_few_retries_where_unsloth_ra
     assert f["peak_reserved_bytes"] / f["est_peak_reserved_bytes"] - 1 > 0.025  # the estimate at least 2.5 % low
     assert u["seq_len_tokens"] == 87381 and not u["fits"] and "out of memory" in u["error"]
     assert f["seq_len_tokens"] / u["seq_len_tokens"] >= 1.5
+
+
+def test_two_restore_buffers_did_not_remove_the_131k_retries():
+    """bench/results/issue33/ballast_staging (commit 75fe043, reverted): restoring offloaded inputs into two fixed
+    GPU buffers left the same plan's peaks unchanged and its retries at 1 and 3 in steps 1-2 (1 and 2 with a block
+    per layer in ballast_4090_adamw), with the same losses to the fourth decimal."""
+    (s,) = [x for x in _lines("issue33", "ballast_staging", "max_context.jsonl") if x.get("probe")]
+    (b,) = [x for x in _lines("issue33", "ballast_4090_adamw", "max_context.jsonl")
+            if x.get("probe") and x["stack"] == "fitune"]
+    assert s["provenance"]["commit"].startswith("75fe043") and s["setup"] == b["setup"]
+    assert s["steps_done"] == 2 and s["alloc_retries_per_step"] == [1, 3] and b["alloc_retries_per_step"][:2] == [1, 2]
+    assert s["peak_allocated_bytes"] == b["peak_allocated_bytes"] and s["peak_reserved_bytes"] == b["peak_reserved_bytes"]
+    assert all(abs(x - y) <= 2e-4 for x, y in zip(s["losses"], b["losses"]))
