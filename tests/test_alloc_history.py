@@ -1,55 +1,50 @@
-"""bench/alloc_history.py's `gaps` on a trace written by hand: the room before each give-back, its free gaps and
-the blocks on either side, and the request that needed the room (issue 33's retries)."""
+"""bench/alloc_history.py on an allocator history written by hand in bench/_with_memory_history.py's `--trace`
+format: the room before each give-back, its free gaps and the blocks on either side, the phase, and the request
+that needed the room (issue 33's retries)."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import pickle
 
-from bench.alloc_history import border_counts, frame_label, main, retries
+from bench._with_memory_history import write_trace
+from bench.alloc_history import border_counts, give_backs, main, size_label
 
-
-def _frames(name: str, line: int) -> list[dict]:
-    return [{"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
-            {"filename": f"/repo/fitune/runtime/techniques/{name}.py", "line": line, "name": name}]
-
-
-TRACE = [
-    {"action": "segment_map", "addr": 0, "size": 64},
-    {"action": "segment_map", "addr": 64, "size": 36},  # adjacent: one range [0, 100)
-    {"action": "alloc", "addr": 0, "size": 30, "frames": _frames("offload", 160)},
-    {"action": "alloc", "addr": 30, "size": 40, "frames": _frames("tiled_mlp", 80)},
-    {"action": "alloc", "addr": 70, "size": 20, "frames": _frames("lean_norm", 50)},
-    {"action": "free_requested", "addr": 30, "size": 40},
-    {"action": "free_completed", "addr": 30, "size": 40},
-    {"action": "segment_unmap", "addr": 30, "size": 40},  # a retry gives back the gap and the free tail
-    {"action": "segment_unmap", "addr": 90, "size": 10},
-    {"action": "alloc", "addr": 90, "size": 50, "frames": _frames("offload", 170)},
+MIB = 2**20
+# [action, addr, size, stream, time_us], as write_trace keeps them
+EVENTS = [
+    ["segment_map", 0, 64 * MIB, 0, 10],
+    ["segment_map", 64 * MIB, 36 * MIB, 0, 11],  # adjacent: one range of 100 MiB
+    ["alloc", 0, 30 * MIB, 0, 20],
+    ["alloc", 30 * MIB, 40 * MIB, 0, 21],
+    ["alloc", 70 * MIB, 20 * MIB, 0, 22],
+    ["free_requested", 30 * MIB, 40 * MIB, 0, 30],
+    ["free_completed", 30 * MIB, 40 * MIB, 0, 31],
+    ["segment_unmap", 30 * MIB, 40 * MIB, 0, 40],  # a retry gives back the gap and the free tail
+    ["segment_unmap", 90 * MIB, 10 * MIB, 0, 41],
+    ["alloc", 90 * MIB, 50 * MIB, 0, 42],
 ]
+MARKS = [[0, "load"], [35, "step 2"]]
 
 
-def test_each_give_back_reports_the_room_its_gaps_and_the_request():
-    (r,) = retries(TRACE, top=8)
-    assert (r["event"], r["mapped_bytes"], r["allocated_bytes"], r["free_bytes"]) == (7, 100, 50, 50)
-    assert r["gaps"] == 2 and r["given_back_bytes"] == 50 and r["request_bytes"] == 50 and not r["oom"]
+def test_each_give_back_reports_the_room_its_gaps_the_phase_and_the_request():
+    (r,) = give_backs(EVENTS, MARKS, top=8)
+    assert (r["event"], r["phase"], r["mapped_bytes"], r["allocated_bytes"]) == (7, "step 2", 100 * MIB, 50 * MIB)
+    assert r["free_bytes"] == 50 * MIB and r["gaps"] == 2 and r["given_back_bytes"] == 50 * MIB
+    assert r["request_bytes"] == 50 * MIB and not r["oom"]
     big, tail = r["largest_gaps"]
-    assert big == {"bytes": 40, "address": 30, "below": "fitune/runtime/techniques/offload.py:160 offload",
-                   "above": "fitune/runtime/techniques/lean_norm.py:50 lean_norm"}
-    assert tail == {"bytes": 10, "address": 90, "below": "fitune/runtime/techniques/lean_norm.py:50 lean_norm",
-                    "above": None}
-    assert r["request"] == "fitune/runtime/techniques/offload.py:170 offload"
-    assert border_counts([r])[0] == ("fitune/runtime/techniques/lean_norm.py:50 lean_norm", 2)
+    assert big == {"bytes": 40 * MIB, "address": 30 * MIB, "below": "30.00 MiB", "above": "20.00 MiB"}
+    assert tail == {"bytes": 10 * MIB, "address": 90 * MIB, "below": "20.00 MiB", "above": None}
+    assert border_counts([r])[0] == ("20.00 MiB", 2) and size_label(1536 * MIB) == "1,536.00 MiB"
 
 
-def test_frame_label_without_fitune_frames_and_without_frames():
-    assert frame_label([]) == "?"
-    assert frame_label([{"filename": "/x/torch/a.py", "line": 3, "name": "f"}]) == "/x/torch/a.py:3 f"
-
-
-def test_the_gaps_command_prints_a_line_per_give_back_and_a_summary(tmp_path, capsys):
-    path = tmp_path / "h.pickle"
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [TRACE]}))
-    assert main(["gaps", str(path), "--top", "1"]) == 0
+def test_the_command_reads_write_traces_file_and_prints_a_line_per_give_back(tmp_path, capsys):
+    path = tmp_path / "run.trace.json.gz"
+    trace = [{"action": a, "addr": addr, "size": size, "stream": st, "time_us": t} for a, addr, size, st, t in EVENTS]
+    write_trace(str(path), trace, [], [tuple(m) for m in MARKS])
+    with gzip.open(path, "rt") as f:
+        assert json.load(f)["events"] == EVENTS
+    assert main([str(path), "--top", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 2 and len(lines[0]["largest_gaps"]) == 1 and lines[0]["largest_gaps"][0]["bytes"] == 40
-    assert lines[1]["summary"] and lines[1]["give_backs"] == 1
+    assert len(lines) == 2 and [g["bytes"] for g in lines[0]["largest_gaps"]] == [40 * MIB]
+    assert lines[1] == {"summary": True, "give_backs": 1, "borders": [["30.00 MiB", 1], ["20.00 MiB", 1]]}
