@@ -923,7 +923,9 @@ def tightness_penalty(p: Plan) -> float:
     """The ranking handicap of a tight plan: TIGHT_PENALTY with no room left under the budget (or over it), falling
     linearly to half of it at TIGHT_SHARE of room; 0 when not tight. Measured: at 131,072 tokens on the rtx4090's
     budget, the plan with 0.57 % room by the estimate (136 MiB) took the allocator's whole room and retried 9 times
-    in its first step (bench/results/issue33/ballast_4090); a plan predicted as fast had 2.8 % (654 MiB)."""
+    in its first step (bench/results/issue33/ballast_4090); the plan predicted as fast with 2.8 % (654 MiB), which
+    this handicap now ranks first, retried 1, 2 and 3 times in steps 1-3 (bench/results/issue33/ballast_4090_adamw):
+    fewer, not none."""
     if not p.tight:
         return 0.0
     room_share = min(max(p.headroom_bytes, 0) / p.budget_bytes / TIGHT_SHARE, 1.0)
