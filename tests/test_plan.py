@@ -911,3 +911,23 @@ def test_of_two_tight_plans_equally_fast_the_roomier_ranks_first():
     assert at(TIGHT_SHARE / 2) == pytest.approx(0.75 * TIGHT_PENALTY, rel=1e-6)
     assert at(TIGHT_SHARE) == pytest.approx(TIGHT_PENALTY / 2, rel=1e-6)
     assert at(0.2, tight=False) == 0.0
+
+
+def test_optimizer_flag_limits_the_plans_to_the_optimizers_named(capsys):
+    """`fitune plan --optimizer`: fitune's or the HF Trainer's names, every plan with one of them, the restriction
+    noted; a name no optimizer has is one line and exit 2. At 131,072 tokens on the 4090 `--optimizer adamw_8bit`
+    gives the 8-bit plan with the embedding table in host memory, the roomiest there."""
+    base = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--json"]
+    assert main(base + ["--optimizer", "adamw_torch"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {p["setup"]["optimizer"] for p in doc["plans"]} == {"adamw"}
+    assert "optimizer: adamw only (--optimizer)" in doc["notes"]
+    long = ["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--method", "qlora", "--lora-rank", "32", "--lora-targets",
+            "all-linear", "--seq-len", "131072", "--batch-size", "1", "--host-ram", "64GiB", "--json"]
+    assert main(long + ["--optimizer", "adamw_8bit"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert {p["setup"]["optimizer"] for p in plans} == {"adamw8bit"}
+    assert plans[0]["setup"]["offload_embeddings"] and plans[0]["headroom_bytes"] > 2**30
+    assert main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--optimizer", "adamw,lion"]) == 2
+    err = capsys.readouterr().err
+    assert "lion is not an optimizer fitune trains with" in err and "adamw8bit" in err and err.count("\n") == 1

@@ -18,6 +18,7 @@ from ..plan.search import (MAX_GRAD_ACCUM, MAX_MICRO_BATCH, describe, fallback_s
 from ..report import add_html_argument, maybe_write_html
 from ..schema import Problems, add_arguments, values_from_args
 from ..setup import DEFAULT_SETUP, SETUP_KEYS, TrainSetup
+from ..specs import optimizers as optimizer_specs
 from ..specs.gpu import resolve_gpu
 from ..specs.model import catalog_key, describe_source, load_model_spec, model_catalog
 from ..units import GiB
@@ -75,6 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "comma-separated, to let the plan change it (lora,qlora: QLoRA where it is faster or "
                         "fits); the first is yours, and a plan with another says what that costs and buys")
     p.add_argument("--no-quantize", action="store_true", help="leave out QLoRA (4-bit base weights)")
+    p.add_argument("--optimizer", metavar="NAME[,NAME]",
+                   help="the optimizers the plans may use, comma-separated, in fitune's names or the HF Trainer's "
+                        f"({', '.join(optimizer_specs.names())}; adamw_torch, adamw_8bit, paged_adamw_8bit, ... "
+                        "read as theirs). Default: any, AdamW first, a lighter one where AdamW does not fit")
     p.add_argument("--host-ram", metavar="NGiB", help="host memory the plans must fit (default: this machine's when "
                    "its GPU is here, else 64GiB assumed): methods whose loading or final save needs more, and "
                    "offloaded checkpoints over it, are left out (docs/phases.md)")
@@ -161,6 +166,7 @@ def _request(args) -> tuple[PlanRequest, list[str]]:
     if args.no_quantize:
         methods = tuple(m for m in methods if m != "qlora")
     host_ram, host_ram_origin, host_ram_line = policy.resolve_host_ram(args.host_ram)
+    optimizers, optimizer_notes = _optimizers(args.optimizer)
     kept = kept_setup(args)
     if kept.keep_outputs and (args.write or args.emit):
         raise ConfigError(f"--keep-outputs plans your own loop as it is (it keeps the model output through backward); "
@@ -181,11 +187,31 @@ def _request(args) -> tuple[PlanRequest, list[str]]:
                       freeze_trainable_layers=kept.freeze_trainable_layers, attns=policy.available_attns(),
                       allow_quantize=not args.no_quantize, host_ram_bytes=host_ram, host_ram_origin=host_ram_origin,
                       kernels=kernels, compile=compile_layers, keep_outputs=kept.keep_outputs, data=data,
-                      top=args.top)
+                      top=args.top, optimizers=optimizers)
     notes = ["--keep-outputs: plans for your own transformers + PEFT loop as written (the output kept through "
              "backward), none of fitune's techniques; `fitune doctor` shows what freeing it saves"] \
         if kept.keep_outputs else []
-    return req, notes + (compile_notes or kernel_notes) + data_notes + batch_notes + [host_ram_line]
+    return req, notes + (compile_notes or kernel_notes) + data_notes + batch_notes + optimizer_notes + [host_ram_line]
+
+
+def _optimizers(given: str | None) -> tuple[tuple[str, ...], list[str]]:
+    """The optimizers `--optimizer` allows, in the planner's order of preference, and the note that says so (none
+    without the flag: every optimizer).
+
+    Raises:
+        ConfigError: a name neither fitune nor the HF Trainer uses for one (the message lists fitune's).
+    """
+    preference = optimizer_specs.preference()
+    if given is None:
+        return preference, []
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    unknown = [n for n in names if optimizer_specs.canonical_name(n.lower()) is None]
+    if unknown or not names:
+        raise ConfigError(f"--optimizer {given}: {', '.join(unknown) or 'no name'} is not an optimizer fitune "
+                          f"trains with; give one or more of {', '.join(preference)}, comma-separated")
+    chosen = {optimizer_specs.canonical_name(n.lower()) for n in names}
+    allowed = tuple(o for o in preference if o in chosen)
+    return allowed, [f"optimizer: {' or '.join(allowed)} only (--optimizer)"]
 
 
 def _hf_id(model_name: str) -> str | None:
