@@ -204,13 +204,12 @@ def _optimizers(given: str | None) -> tuple[tuple[str, ...], list[str]]:
     preference = optimizer_specs.preference()
     if given is None:
         return preference, []
-    names = [n.strip() for n in given.split(",") if n.strip()]
-    unknown = [n for n in names if optimizer_specs.canonical_name(n.lower()) is None]
-    if unknown or not names:
+    canonical = {n: optimizer_specs.canonical_name(n.lower()) for n in (n.strip() for n in given.split(",")) if n}
+    unknown = [n for n, name in canonical.items() if name is None]
+    if unknown or not canonical:
         raise ConfigError(f"--optimizer {given}: {', '.join(unknown) or 'no name'} is not an optimizer fitune "
                           f"trains with; give one or more of {', '.join(preference)}, comma-separated")
-    chosen = {optimizer_specs.canonical_name(n.lower()) for n in names}
-    allowed = tuple(o for o in preference if o in chosen)
+    allowed = tuple(o for o in preference if o in canonical.values())
     return allowed, [f"optimizer: {' or '.join(allowed)} only (--optimizer)"]
 
 
