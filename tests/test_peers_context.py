@@ -133,3 +133,22 @@ def test_48gb_row_is_the_record():
     assert abs(fitted["est_peak_allocated_bytes"] / fitted["peak_allocated_bytes"] - 1) < 0.02
     assert abs(fitted["est_peak_reserved_bytes"] / fitted["peak_reserved_bytes"] - 1) < 0.05
     assert re.search(rf"(?<![\d.,]){f['step_seconds'][0]:.0f} s\b", readme)  # the step's time, as a number
+
+
+def test_probe_child_plans_with_the_search_options():
+    """The search's plan options reach each probe's own `fitune plan` (plan_gpu did not until 2026-12-07: the
+    ballast records before then planned for their cap)."""
+    from bench.peers import unsloth_max_context as umc
+
+    args = umc.parse_args(["--stack", "fitune", "--cap", "23.4GiB", "--model-dir", "m", "--out", "o.jsonl",
+                           "--fitune-plan-gpu", "rtx4090", "--fitune-plan-optimizer", "adamw8bit",
+                           "--fitune-host-ram", "64GiB"])
+    child = umc._child_argv(args, 131072)
+    probe = umc.parse_args(child[2:])
+    assert probe.probe == 131072
+    plan = umc._plan_args(probe, 131072)
+    assert plan[plan.index("--gpu") + 1] == "rtx4090"
+    assert plan[plan.index("--optimizer") + 1] == "adamw8bit"
+    assert plan[plan.index("--host-ram") + 1] == "64GiB"
+    assert "--optimizer" not in umc._plan_args(umc.parse_args(["--stack", "fitune", "--cap", "23.4GiB",
+                                                                "--model-dir", "m", "--out", "o.jsonl"]), 8192)

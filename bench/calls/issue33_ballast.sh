@@ -14,12 +14,15 @@
 #   export PYTHONPATH=.:$PWD/.peers_site; FITUNE_COMMIT=... bash bench/calls/issue33_ballast.sh $OUT
 #   BALLAST_LENGTHS=131072,122880 PEERS_BUDGET_S=540 bash bench/calls/issue33_ballast.sh $OUT
 # BALLAST_STEPS: steps per probe (default 2; 3 gives two steady-state steps after the first).
+# BALLAST_PLAN_OPTIMIZER: `fitune plan --optimizer` (e.g. adamw8bit): plan 1 of the plans with that optimizer.
+# (BALLAST_PLAN_GPU reached the probes only from the commit that added BALLAST_PLAN_OPTIMIZER: the records before it
+# planned for BALLAST_CAP, `--gpu 23.4GiB`.)
 # BALLAST_PEER: an item run after fitune's in the same lane, under the same ballast cap (e.g. unsloth@23.4GiB:87381).
 set -u
 OUT=${1:?usage: issue33_ballast.sh OUT}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT/lanes"
 FITUNE_CAP_MODE=ballast PEERS_STEPS=${BALLAST_STEPS:-2} PEERS_BUDGET_S=${PEERS_BUDGET_S:-300} bash bench/peers/context_lanes.sh \
-  "$OUT/lanes" "fitune@${BALLAST_CAP:-23.4GiB}:${BALLAST_LENGTHS:-plan}:host_ram=64GiB${BALLAST_PLAN_GPU:++plan_gpu=$BALLAST_PLAN_GPU}${BALLAST_PEER:+ $BALLAST_PEER}" > "$OUT/lanes/log.txt" 2>&1
+  "$OUT/lanes" "fitune@${BALLAST_CAP:-23.4GiB}:${BALLAST_LENGTHS:-plan}:host_ram=64GiB${BALLAST_PLAN_GPU:++plan_gpu=$BALLAST_PLAN_GPU}${BALLAST_PLAN_OPTIMIZER:++plan_optimizer=$BALLAST_PLAN_OPTIMIZER}${BALLAST_PEER:+ $BALLAST_PEER}" > "$OUT/lanes/log.txt" 2>&1
 grep '^\[' "$OUT/lanes/log.txt" | cut -c1-300
 python3 bench/peers/probe_lines.py "$OUT/lanes/max_context.jsonl"

@@ -10,7 +10,8 @@
 #
 # An item is STACK@CAP:LENGTHS[:KEY=VALUE] (LENGTHS as --lengths: comma-separated, 'plan' = fitune plan's longest;
 # KEY=VALUE: fitune, a setup key set in the written plan, --fitune-set, or plan_at=N, --fitune-plan-at, or
-# optimizer=NAME, --fitune-optimizer (fitune's first plan with that optimizer; default any: plan 1),
+# optimizer=NAME, --fitune-optimizer (fitune's first plan with that optimizer; default any: plan 1), or
+# plan_optimizer=NAME, --fitune-plan-optimizer (`fitune plan --optimizer NAME`: plan 1 of the plans with it),
 # host_ram=NGiB, --fitune-host-ram (the host RAM fitune plan holds its plans to), plan_gpu=NGiB, --fitune-plan-gpu
 # (the budget fitune plan plans for, under the cap), or method=lora|qlora; several
 # joined by '+'). Unsloth runs
@@ -47,6 +48,7 @@ item() {  # item STACK@CAP:LENGTHS[:KEY=VALUE[,KEY=VALUE]]
         host_ram=*) sets+=(--fitune-host-ram "${kv#host_ram=}") ;;
         method=*) sets+=(--method "${kv#method=}") ;;
         optimizer=*) sets+=(--fitune-optimizer "${kv#optimizer=}") ;;  # fitune's first plan with this optimizer
+        plan_optimizer=*) sets+=(--fitune-plan-optimizer "${kv#plan_optimizer=}") ;;  # fitune plan --optimizer
         *) sets+=(--fitune-set "$kv") ;;
       esac
     done

@@ -101,6 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--fitune-plan-gpu", metavar="GPU",
                    help="fitune: plan for this budget (`fitune plan --gpu`) while the run is capped at --cap: room "
                         "left under the cap for the memory outside PyTorch's allocator (issue 33)")
+    p.add_argument("--fitune-plan-optimizer", metavar="NAME[,NAME]",
+                   help="fitune: `fitune plan --optimizer` (the optimizers its plans may use; default: any)")
     p.add_argument("--fitune-plan-at", type=int, metavar="N",
                    help="fitune: plan at N tokens and train that plan at the probe's length (with --fitune-set: a "
                         "technique the planner does not propose yet, on the plan it makes where it still fits)")
@@ -202,7 +204,8 @@ def _fitune_env() -> dict:
 def _plan_args(args, n: int) -> list[str]:
     return ["plan", args.model, "--gpu", getattr(args, "fitune_plan_gpu", None) or args.cap, "--method", args.method, "--lora-rank", str(args.lora_rank),
             "--lora-targets", "all-linear", "--seq-len", str(n), "--batch-size", "1"] + (
-        ["--host-ram", args.fitune_host_ram] if args.fitune_host_ram else [])
+        ["--host-ram", args.fitune_host_ram] if args.fitune_host_ram else []) + (
+        ["--optimizer", args.fitune_plan_optimizer] if getattr(args, "fitune_plan_optimizer", None) else [])
 
 
 def plan_choice(args, n: int) -> tuple[int | None, dict]:
@@ -305,6 +308,8 @@ def probe_fitune(args, n: int) -> None:
             rec["planned_at_tokens"] = plan_n
         if getattr(args, "fitune_plan_gpu", None):
             rec["plan_gpu"] = args.fitune_plan_gpu
+        if getattr(args, "fitune_plan_optimizer", None):
+            rec["plan_optimizer"] = args.fitune_plan_optimizer
         if pick is None:
             return finish(fits=False, plan_fits=False, error=f"fitune plan: {info['plan_says']}")
         run = os.path.join(args.work, f"fitune_{args.cap}_{n}" + "".join(f"_{x}" for x in args.fitune_set))
@@ -441,7 +446,11 @@ def _child_argv(args, n: int) -> list[str]:
             "--fitune-optimizer", args.fitune_optimizer] + (["--fitune-retries"] if args.fitune_retries else []) + [
             x for item in args.fitune_set for x in ("--fitune-set", item)] + (
             ["--fitune-plan-at", str(args.fitune_plan_at)] if args.fitune_plan_at else []) + (
-            ["--fitune-host-ram", args.fitune_host_ram] if args.fitune_host_ram else []) + [
+            ["--fitune-host-ram", args.fitune_host_ram] if args.fitune_host_ram else []) + (
+            # (until 2026-12-07 plan_gpu was not passed on: the probes planned for --cap)
+            ["--fitune-plan-gpu", args.fitune_plan_gpu] if getattr(args, "fitune_plan_gpu", None) else []) + (
+            ["--fitune-plan-optimizer", args.fitune_plan_optimizer]
+            if getattr(args, "fitune_plan_optimizer", None) else []) + [
             "--work", args.work, "--device", args.device,
             "--probe-timeout", str(args.probe_timeout)]
     if args.no_card_view:
