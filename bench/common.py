@@ -305,7 +305,7 @@ def host_peaks() -> dict:
     return out
 
 
-def _run_fitune_probed(argv: list[str]) -> int:
+def run_fitune_probed(argv: list[str]) -> int:
     from fitune.cli.main import main as fitune_main
 
     with grad_norm_probe() as seen:
@@ -338,6 +338,6 @@ def training_facts(losses: list, probe: dict | str | None, why_none: str | None 
 if __name__ == "__main__":  # provenance for a command run where .git is absent; or `--fitune ARGS` probed
     if sys.argv[1:2] == ["--fitune"]:
         sys.path.insert(0, ROOT)
-        sys.exit(_run_fitune_probed(sys.argv[2:]))
+        sys.exit(run_fitune_probed(sys.argv[2:]))
     v = code_version()
     print(f"FITUNE_COMMIT={v['commit']} FITUNE_DIFF_SHA256={v['diff_sha256']}")
