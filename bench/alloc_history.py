@@ -8,7 +8,9 @@ FITUNE_MEMORY_HISTORY_DIR names a folder: bench/peers/unsloth_max_context.py) an
 the allocator gives mapped memory back to make room (a run of `segment_unmap` / `segment_free` events: a retry, or
 an `empty_cache`), one JSON line with what was mapped, what was allocated, the largest free gaps with the sizes of
 the live blocks on either side of each (no stacks are recorded: sizes tell the tensors apart, e.g. 1.07 GB for a
-131,072-token hidden state of Llama-3.1-8B), the phase it fell in, and the request that needed the room.
+131,072-token hidden state of Llama-3.1-8B), the phase it fell in, and the request that needed the room; then one
+line for the room at the run's peak reserved (`peak_room`: where the free bytes sit when the mapped bytes are
+highest, the measure of fragmentation in a run without retries).
 
     FITUNE_MEMORY_HISTORY_DIR=$OUT/h BALLAST_LENGTHS=131072 BALLAST_PLAN_GPU=rtx4090 \
         bash bench/calls/issue33_ballast.sh $OUT/r
@@ -131,6 +133,51 @@ def give_backs(events: list[list], marks: list = (), top: int = 8) -> list[dict]
     return out
 
 
+def _replay(room: _Room, event: list) -> None:
+    action, addr, size = event[0], event[1] or 0, event[2] or 0
+    if action in MAP_ACTIONS:
+        room.map(addr, size)
+    elif action in UNMAP_ACTIONS:
+        room.unmap(addr, size)
+    elif action == "alloc":
+        room.live[addr] = size
+    elif action == "free_completed":
+        room.live.pop(addr, None)
+
+
+def peak_room(events: list[list], marks: list = (), top: int = 8) -> dict | None:
+    """The room when the mapped bytes first reach their highest (the run's peak reserved; in a run without retries
+    what the allocator needed, in one with them the cap): mapped, allocated and free bytes, the `top` largest free
+    gaps with the blocks beside them, the live blocks by size (largest total first), the phase, and the request that
+    made the allocator map its last pages (the room is taken just after that request is served)."""
+    room, peak, at = _Room(), 0, None
+    for i, event in enumerate(events):
+        _replay(room, event)
+        if event[0] in MAP_ACTIONS:
+            mapped = room.mapped_bytes()
+            if mapped > peak:
+                peak, at = mapped, i
+    if at is None:
+        return None
+    room, request, end = _Room(), None, len(events) - 1
+    for i, event in enumerate(events):
+        _replay(room, event)
+        if i > at and event[0] == "alloc":
+            request, end = event[2], i
+            break
+        if i == end:
+            break
+    gaps = sorted(room.gaps(), key=lambda g: -g["bytes"])
+    sizes = collections.Counter(room.live.values())
+    by_size = sorted(((n * c, n, c) for n, c in sizes.items()), reverse=True)[:top]
+    allocated = room.allocated_bytes()
+    return {"peak_reserved": True, "event": end, "phase": _phase(list(marks), events[end][4]), "mapped_bytes": peak,
+            "allocated_bytes": allocated, "free_bytes": room.mapped_bytes() - allocated, "gaps": len(gaps),
+            "free_in_gaps_over_20mib_bytes": sum(g["bytes"] for g in gaps if g["bytes"] > 20 * 2**20),
+            "largest_gaps": gaps[:top], "request_bytes": request,
+            "live_by_size": [{"size": size_label(n), "count": c, "bytes": t} for t, n, c in by_size]}
+
+
 def border_counts(found: list[dict]) -> list[tuple[str, int]]:
     """How often blocks of each size border one of the reported gaps, most often first."""
     count = collections.Counter(side for r in found for g in r["largest_gaps"] for side in (g["below"], g["above"])
@@ -148,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     found = give_backs(trace["events"], trace.get("marks") or [], args.top)
     for rec in found:
         print(json.dumps(rec))
+    peak = peak_room(trace["events"], trace.get("marks") or [], args.top)
+    if peak is not None:
+        print(json.dumps(peak))
     print(json.dumps({"summary": True, "give_backs": len(found), "borders": border_counts(found)[:20]}))
     return 0
 

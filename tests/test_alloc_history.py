@@ -8,7 +8,7 @@ import gzip
 import json
 
 from bench._with_memory_history import write_trace
-from bench.alloc_history import border_counts, give_backs, main, size_label
+from bench.alloc_history import border_counts, give_backs, main, peak_room, size_label
 
 MIB = 2**20
 # [action, addr, size, stream, time_us], as write_trace keeps them
@@ -46,5 +46,30 @@ def test_the_command_reads_write_traces_file_and_prints_a_line_per_give_back(tmp
         assert json.load(f)["events"] == EVENTS
     assert main([str(path), "--top", "1"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 2 and [g["bytes"] for g in lines[0]["largest_gaps"]] == [40 * MIB]
-    assert lines[1] == {"summary": True, "give_backs": 1, "borders": [["30.00 MiB", 1], ["20.00 MiB", 1]]}
+    assert len(lines) == 3 and [g["bytes"] for g in lines[0]["largest_gaps"]] == [40 * MIB]
+    assert lines[1]["peak_reserved"] and lines[1]["mapped_bytes"] == 100 * MIB
+    assert lines[2] == {"summary": True, "give_backs": 1, "borders": [["30.00 MiB", 1], ["20.00 MiB", 1]]}
+
+
+def test_the_room_at_the_peak_reserved_shows_where_the_free_bytes_sit():
+    """Mapped bytes peak at 100 MiB after the second map; the room is taken once the request that needed it is
+    served: 80 MiB live (30 + 40 + 10), a 20 MiB gap between the 40 and 10 MiB blocks after the 20 MiB one is freed."""
+    events = [
+        ["segment_map", 0, 80 * MIB, 0, 10],
+        ["alloc", 0, 30 * MIB, 0, 20],
+        ["alloc", 30 * MIB, 40 * MIB, 0, 21],
+        ["alloc", 70 * MIB, 10 * MIB, 0, 22],
+        ["free_completed", 30 * MIB, 40 * MIB, 0, 23],
+        ["alloc", 30 * MIB, 20 * MIB, 0, 24],
+        ["segment_map", 80 * MIB, 20 * MIB, 0, 30],
+        ["alloc", 80 * MIB, 20 * MIB, 0, 31],  # the request that needed the new pages
+        ["free_completed", 0, 30 * MIB, 0, 40],
+    ]
+    r = peak_room(events, [[0, "load"], [25, "step 1"]], top=4)
+    assert (r["event"], r["phase"], r["mapped_bytes"], r["allocated_bytes"]) == (7, "step 1", 100 * MIB, 80 * MIB)
+    assert r["request_bytes"] == 20 * MIB and r["free_bytes"] == 20 * MIB and r["gaps"] == 1
+    assert r["largest_gaps"] == [{"bytes": 20 * MIB, "address": 50 * MIB, "below": "20.00 MiB", "above": "10.00 MiB"}]
+    assert r["free_in_gaps_over_20mib_bytes"] == 0
+    assert [x["size"] for x in r["live_by_size"]] == ["20.00 MiB", "30.00 MiB", "10.00 MiB"]  # largest total first
+    assert r["live_by_size"][0] == {"size": "20.00 MiB", "count": 2, "bytes": 40 * MIB}
+    assert peak_room([["alloc", 0, 1, 0, 1]]) is None
