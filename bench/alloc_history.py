@@ -10,7 +10,8 @@ an `empty_cache`), one JSON line with what was mapped, what was allocated, the l
 the live blocks on either side of each (no stacks are recorded: sizes tell the tensors apart, e.g. 1.07 GB for a
 131,072-token hidden state of Llama-3.1-8B), the phase it fell in, and the request that needed the room; then one
 line for the room at the run's peak reserved (`peak_room`: where the free bytes sit when the mapped bytes are
-highest, the measure of fragmentation in a run without retries).
+highest, the measure of fragmentation in a run without retries); with --model, one line more: the run's requests
+replayed through the estimator's allocator model (`model_replay`).
 
     FITUNE_MEMORY_HISTORY_DIR=$OUT/h BALLAST_LENGTHS=131072 BALLAST_PLAN_GPU=rtx4090 \
         bash bench/calls/issue33_ballast.sh $OUT/r
@@ -26,7 +27,10 @@ import bisect
 import collections
 import gzip
 import json
+import lzma
 import sys
+
+from fitune.memory.allocator import ExpandableAllocatorModel
 
 #: Trace actions that map memory into the allocator's room (expandable segments map pages; classic segments are
 #: one cudaMalloc each) and that give it back.
@@ -178,6 +182,32 @@ def peak_room(events: list[list], marks: list = (), top: int = 8) -> dict | None
             "live_by_size": [{"size": size_label(n), "count": c, "bytes": t} for t, n, c in by_size]}
 
 
+def model_replay(events: list[list]) -> dict:
+    """The run's own requests, in their order, replayed through the estimator's model of the allocator with
+    expandable segments (fitune/memory/allocator.py `ExpandableAllocatorModel`), beside what the run mapped: how far
+    the model's placement rules alone are from the allocator's, with the estimator's tape out of the question."""
+    model, room, mapped_peak = ExpandableAllocatorModel(), _Room(), 0
+    for event in events:
+        action, addr, size = event[0], event[1] or 0, event[2] or 0
+        if action == "alloc":
+            model.malloc(addr, size)
+        elif action == "free_completed":
+            model.release(addr)
+        _replay(room, event)
+        if action in MAP_ACTIONS:
+            mapped_peak = max(mapped_peak, room.mapped_bytes())
+    return {"model_replay": True, "model_peak_reserved_bytes": model.peak_reserved,
+            "model_peak_allocated_bytes": model.peak_allocated, "measured_peak_mapped_bytes": mapped_peak,
+            "model_over_measured": round(model.peak_reserved / mapped_peak, 4) if mapped_peak else None}
+
+
+def open_trace(path: str) -> dict:
+    """A trace as write_trace writes it (.json.gz), or recompressed for the records (.json.xz)."""
+    opener = lzma.open if path.endswith(".xz") else gzip.open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
 def border_counts(found: list[dict]) -> list[tuple[str, int]]:
     """How often blocks of each size border one of the reported gaps, most often first."""
     count = collections.Counter(side for r in found for g in r["largest_gaps"] for side in (g["below"], g["above"])
@@ -187,17 +217,21 @@ def border_counts(found: list[dict]) -> list[tuple[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.alloc_history", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", help="an allocator history written by bench/_with_memory_history.py --trace (.json.gz)")
+    p.add_argument("trace", help="an allocator history written by bench/_with_memory_history.py --trace (.json.gz; "
+                                 "or .json.xz)")
     p.add_argument("--top", type=int, default=8, help="gaps listed per give-back (largest first)")
+    p.add_argument("--model", action="store_true",
+                   help="also replay the run's requests through the estimator's allocator model (`model_replay`)")
     args = p.parse_args(argv)
-    with gzip.open(args.trace, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
+    trace = open_trace(args.trace)
     found = give_backs(trace["events"], trace.get("marks") or [], args.top)
     for rec in found:
         print(json.dumps(rec))
     peak = peak_room(trace["events"], trace.get("marks") or [], args.top)
     if peak is not None:
         print(json.dumps(peak))
+    if args.model:
+        print(json.dumps(model_replay(trace["events"])))
     print(json.dumps({"summary": True, "give_backs": len(found), "borders": border_counts(found)[:20]}))
     return 0
 

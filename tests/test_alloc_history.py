@@ -8,7 +8,7 @@ import gzip
 import json
 
 from bench._with_memory_history import write_trace
-from bench.alloc_history import border_counts, give_backs, main, peak_room, size_label
+from bench.alloc_history import border_counts, give_backs, main, model_replay, open_trace, peak_room, size_label
 
 MIB = 2**20
 # [action, addr, size, stream, time_us], as write_trace keeps them
@@ -73,3 +73,20 @@ def test_the_room_at_the_peak_reserved_shows_where_the_free_bytes_sit():
     assert [x["size"] for x in r["live_by_size"]] == ["20.00 MiB", "30.00 MiB", "10.00 MiB"]  # largest total first
     assert r["live_by_size"][0] == {"size": "20.00 MiB", "count": 2, "bytes": 40 * MIB}
     assert peak_room([["alloc", 0, 1, 0, 1]]) is None
+
+
+def test_model_replay_puts_the_runs_own_requests_through_the_estimators_allocator(tmp_path):
+    """The model maps 20 MiB pages at the end of its range: 40 for the 30 MiB request (10 left free at the end), 40
+    more for the 40 MiB one and 20 for the 20 MiB one (100 MiB, as the run). The 50 MiB request after the 40 MiB
+    block's free fits neither that block nor the 10 MiB tail: the model maps 40 MiB more (140), where the run gave
+    the gap and the tail back and mapped only what it needed (100: the model has no cap)."""
+    r = model_replay(EVENTS)
+    assert r["model_replay"] and r["model_peak_allocated_bytes"] == 100 * MIB  # 30 + 20 + 50
+    assert (r["model_peak_reserved_bytes"], r["measured_peak_mapped_bytes"]) == (140 * MIB, 100 * MIB)
+    assert r["model_over_measured"] == 1.4
+    import lzma
+
+    path = tmp_path / "t.json.xz"
+    with lzma.open(path, "wt", encoding="utf-8") as f:
+        json.dump({"events": EVENTS, "marks": MARKS}, f)
+    assert open_trace(str(path))["events"] == EVENTS
