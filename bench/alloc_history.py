@@ -182,11 +182,11 @@ def peak_room(events: list[list], marks: list = (), top: int = 8) -> dict | None
             "live_by_size": [{"size": size_label(n), "count": c, "bytes": t} for t, n, c in by_size]}
 
 
-def model_replay(events: list[list]) -> dict:
+def model_replay(events: list[list], model_class: type = ExpandableAllocatorModel) -> dict:
     """The run's own requests, in their order, replayed through the estimator's model of the allocator with
     expandable segments (fitune/memory/allocator.py `ExpandableAllocatorModel`), beside what the run mapped: how far
     the model's placement rules alone are from the allocator's, with the estimator's tape out of the question."""
-    model, room, mapped_peak = ExpandableAllocatorModel(), _Room(), 0
+    model, room, mapped_peak = model_class(), _Room(), 0
     for event in events:
         action, addr, size = event[0], event[1] or 0, event[2] or 0
         if action == "alloc":

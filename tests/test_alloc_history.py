@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 from bench._with_memory_history import write_trace
 from bench.alloc_history import border_counts, give_backs, main, model_replay, open_trace, peak_room, size_label
 
 MIB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # [action, addr, size, stream, time_us], as write_trace keeps them
 EVENTS = [
     ["segment_map", 0, 64 * MIB, 0, 10],
@@ -90,3 +92,39 @@ def test_model_replay_puts_the_runs_own_requests_through_the_estimators_allocato
     with lzma.open(path, "wt", encoding="utf-8") as f:
         json.dump({"events": EVENTS, "marks": MARKS}, f)
     assert open_trace(str(path))["events"] == EVENTS
+
+
+def test_pytorch_rules_split_from_512_bytes_and_take_the_free_tail_last():
+    """bench/expandable_rules.py's model against the estimator's: a 0.75 MiB rest is split off (the model as it is
+    keeps it inside the block); an 8 MiB request takes a 10 MiB block freed below, not the 9 MiB free tail, which
+    could grow (the model as it is takes the tail)."""
+    from bench.expandable_rules import PyTorchRulesModel
+    from fitune.memory.allocator import ExpandableAllocatorModel
+
+    for cls, kept_inside in ((ExpandableAllocatorModel, True), (PyTorchRulesModel, False)):
+        m = cls()
+        m.malloc(1, 19 * MIB + MIB // 4)  # 20 MiB page: a 0.75 MiB rest
+        assert (m._live[1].size == 20 * MIB) is kept_inside
+    for cls, takes_hole in ((ExpandableAllocatorModel, False), (PyTorchRulesModel, True)):
+        m = cls()
+        m.malloc(1, 10 * MIB)
+        m.malloc(2, 11 * MIB)  # the tail grows by a 20 MiB page: 19 MiB left
+        m.malloc(3, 10 * MIB)  # 9 MiB left in the tail
+        hole = m._live[1].offset
+        m.release(1)  # a 10 MiB hole at the start
+        m.malloc(4, 8 * MIB)  # the tail (9 MiB) is the smaller fit; the rules take the hole
+        assert (m._live[4].offset == hole) is takes_hole
+        assert m.reserved == 40 * MIB
+
+
+def test_the_rules_trial_record_replays_from_the_committed_trace():
+    """bench/results/issue33/ballast_8bit/rules_trial.json's replays, recomputed from the committed trace."""
+    from bench.expandable_rules import PyTorchRulesModel
+
+    folder = os.path.join(ROOT, "bench", "results", "issue33", "ballast_8bit")
+    with open(os.path.join(folder, "rules_trial.json"), encoding="utf-8") as f:
+        trial = json.load(f)
+    events = open_trace(os.path.join(folder, "history", "fitune_23.4GiB_131072.trace.json.xz"))["events"]
+    assert model_replay(events) == trial["model_now"]
+    assert model_replay(events, PyTorchRulesModel) == trial["model_pytorch_rules"]
+    assert trial["model_now"]["measured_peak_mapped_bytes"] == 24767365120

@@ -890,7 +890,7 @@ def test_cli_says_at_risk_and_emits_selective_checkpointing(capsys):
 def test_of_two_tight_plans_equally_fast_the_roomier_ranks_first():
     """QLoRA r32 all-linear at 1 x 131,072 on a 4090's budget: AdamW with the embedding table in host memory (2.8 %
     of room by the estimate; measured under the card's cap it took the allocator's whole room and retried 1-3 times
-    a step, bench/results/issue33/ballast_4090_adamw), its 8-bit twin (4.7 %; never retried,
+    a step, bench/results/issue33/ballast_4090_adamw), its 8-bit twin (4.8 %; never retried,
     bench/results/issue33/ballast_8bit) and 8-bit AdamW with the table on the GPU (0.57 %; 9 retries in step 1,
     bench/results/issue33/ballast_4090) are predicted equally fast (within 0.1 %). The tight handicap falls with the
     room, so they rank by room."""

@@ -83,14 +83,14 @@ class CachingAllocatorModel:
         size = nbytes if nbytes % MIN_BLOCK == 0 and nbytes else (nbytes // MIN_BLOCK + 1) * MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._free.setdefault((small, stream), [])
-        i = bisect.bisect_left(pool, (size, -1))
+        i = self._best_fit(pool, bisect.bisect_left(pool, (size, -1)), small)
         if i < len(pool):
             block = self._by_offset.pop(pool.pop(i)[1])
         else:
             block = self._new_block(size, small)
             block.stream = stream
         remaining = block.size - size
-        if remaining > (MIN_BLOCK if small else SMALL_SIZE):
+        if self._splits(remaining, small):
             rest = _Block(block.offset + size, remaining, True, small, block, block.next, block.stream)
             if block.next is not None:
                 block.next.prev = rest
@@ -103,6 +103,17 @@ class CachingAllocatorModel:
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+
+    def _best_fit(self, pool: list[tuple[int, int]], i: int, small: bool) -> int:
+        """The index in `pool` of the block that serves a request whose smallest fitting block is at `i`."""
+        return i
+
+    def _splits(self, remaining: int, small: bool) -> bool:
+        """Whether a block serving a request keeps its `remaining` bytes as a free block of their own (small pool:
+        more than 512 bytes; large pool: more than 1 MiB, CUDACachingAllocator.cpp `should_split`). The same rules
+        serve ExpandableAllocatorModel, though PyTorch's allocator splits differently with expandable segments: see
+        bench/expandable_rules.py."""
+        return remaining > (MIN_BLOCK if small else SMALL_SIZE)
 
     def _new_block(self, size: int, small: bool) -> _Block:
         """No cached block fits: cudaMalloc a new segment."""
