@@ -305,11 +305,9 @@ def install(summary_path: str, max_entries: int, trace_path: str | None = None) 
                 recorder.finish(error)
         return call
 
-    # Each module that bound configure_allocator by name calls its own binding (fitune/train/loop.py, the profiler):
-    # wrapping only the defining module's recorded nothing (bench/results/issue33/ballast_8bit: "no CUDA device").
-    import fitune.profile.run as profile_run_mod
-
-    for module in (device_mod, loop_mod, profile_run_mod):
+    # fitune/train/loop.py bound configure_allocator by name and calls its own binding: wrapping only the defining
+    # module's recorded nothing (bench/results/issue33/ballast_8bit/first: "no CUDA device")
+    for module in (device_mod, loop_mod):
         _wrap(module, "configure_allocator", then_record)
     _wrap(loop_mod, "train", then_summarize)
     _wrap(model_mod, "build_model_for_setup", _marked(recorder, "build_model"))

@@ -586,7 +586,7 @@ def no_retry_note(root: str) -> str:
     gib = 2 ** 30
     rows = _lines(root, NO_RETRY_CALL, "max_context.jsonl")
     (f,) = [x for x in rows if x.get("probe") and x["stack"] == "fitune"]
-    (m,) = [x for x in _lines(root, "bench", "results", "issue33", "ballast_8bit", "history", "gaps.jsonl")
+    (m,) = [x for x in _lines(root, "bench", "results", "issue33", "ballast_8bit", "history", "alloc_history_output.txt")
             if x.get("model_replay")]
     over = f["peak_reserved_bytes"] / f["est_peak_reserved_bytes"] - 1
     return (f"Since a tight AdamW plan is also offered with 8-bit AdamW where that buys room (commit "

@@ -958,3 +958,14 @@ def test_optimizer_flag_limits_the_plans_to_the_optimizers_named(capsys):
     assert main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--optimizer", "adamw,lion"]) == 2
     err = capsys.readouterr().err
     assert "lion is not an optimizer fitune trains with" in err and "adamw8bit" in err and err.count("\n") == 1
+
+
+def test_plan_asks_for_write_only_where_it_was_not_given(tmp_path, capsys):
+    """The "next: add --write" line is for a plan printed without --write; with it, the "wrote" line says what next."""
+    assert main(["plan", "llama-3.1-8b", "--gpu", "rtx4090"]) == 0
+    assert "next: add --write plan.yaml" in capsys.readouterr().out
+    target = tmp_path / "p.yaml"
+    assert main(["plan", "llama-3.1-8b", "--gpu", "rtx4090", "--write", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "next: add --write" not in out and f"wrote {target}: run it with `fitune train {target}`" in out
+    assert target.is_file()

@@ -112,10 +112,8 @@ def test_ranks_launched_by_fitune_run_through_the_wrapper(monkeypatch, tmp_path)
     import fitune.train.loop as loop_mod
     from bench import _with_memory_history as wrapper
 
-    import fitune.profile.run as profile_run_mod
-
     for module, name in [(launch_mod, "command"), (device_mod, "configure_allocator"), (loop_mod, "train"),
-                         (loop_mod, "configure_allocator"), (profile_run_mod, "configure_allocator"),
+                         (loop_mod, "configure_allocator"),
                          (model_mod, "build_model_for_setup"), (model_mod, "prepare_model"),
                          (loop_mod, "_optimizer_step"), (loop_mod, "_write_outputs"), (ds_mod, "initialize")]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
@@ -133,14 +131,13 @@ def test_recording_starts_where_the_training_loop_configures_the_allocator(monke
     (wrapping only fitune.runtime.device's recorded nothing on the GPU, 2026-12-07)."""
     import fitune.parallel.deepspeed_engine as ds_mod
     import fitune.parallel.launch as launch_mod
-    import fitune.profile.run as profile_run_mod
     import fitune.runtime.device as device_mod
     import fitune.runtime.model as model_mod
     import fitune.train.loop as loop_mod
     from bench import _with_memory_history as wrapper
 
     for module, name in [(launch_mod, "command"), (device_mod, "configure_allocator"), (loop_mod, "train"),
-                         (loop_mod, "configure_allocator"), (profile_run_mod, "configure_allocator"),
+                         (loop_mod, "configure_allocator"),
                          (model_mod, "build_model_for_setup"), (model_mod, "prepare_model"),
                          (loop_mod, "_optimizer_step"), (loop_mod, "_write_outputs"), (ds_mod, "initialize")]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
@@ -150,9 +147,9 @@ def test_recording_starts_where_the_training_loop_configures_the_allocator(monke
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     wrapper.install(str(tmp_path / "run.memory.json"), 1000)
     setup = type("Setup", (), {"expandable_segments": False})()
-    for module in (loop_mod, profile_run_mod, device_mod):
+    for module in (loop_mod, device_mod):
         module.configure_allocator(setup)
-    assert len(started) == 3
+    assert len(started) == 2
 
 
 def test_wrapper_on_cpu_ranks_writes_rank0_summary(tmp_path):

@@ -140,7 +140,7 @@ def run(args) -> int:
     if args.emit == "hf":
         print(hf_code(chosen, req, args.model, _hf_id(args.model), args.data), end="")
         return 0
-    print(format_result(result, elapsed, notes))
+    print(format_result(result, elapsed, notes, written=bool(args.write)))
     if args.write:
         print(f"\nwrote {args.write}: run it with `fitune train {args.write}`" + _write_caveats(args))
         if kept_previous:
@@ -312,7 +312,8 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def format_result(result, elapsed_s: float, notes=()) -> str:
+def format_result(result, elapsed_s: float, notes=(), written: bool = False) -> str:
+    """The plan as text; `written`: --write was given (the "next:" line then does not ask for it)."""
     req = result.request
     g = req.gpu
     lines = [("fitune plan: " if result.plans else "") + f"{req.model.name} on {g.name} "
@@ -374,7 +375,7 @@ def format_result(result, elapsed_s: float, notes=()) -> str:
     if result.plans and req.keep_outputs:
         lines.append("  next: apply the plan's micro-batch and checkpointing to your script; or free the output before "
                      "backward (`loss = model(**batch).loss`) and plan again without --keep-outputs")
-    elif result.plans:
+    elif result.plans and not written:
         lines.append("  next: add --write plan.yaml (then `fitune train plan.yaml`) or --emit hf for your own script")
     return "\n".join(lines)
 
