@@ -105,6 +105,19 @@ def _phase(marks: list, t_us) -> str | None:
     return marks[i - 1][1] if i else None
 
 
+def _replay(room: _Room, event: list) -> None:
+    """One event of the trace applied to the room."""
+    action, addr, size = event[0], event[1] or 0, event[2] or 0
+    if action in MAP_ACTIONS:
+        room.map(addr, size)
+    elif action in UNMAP_ACTIONS:
+        room.unmap(addr, size)
+    elif action == "alloc":
+        room.live[addr] = size
+    elif action == "free_completed":
+        room.live.pop(addr, None)
+
+
 def give_backs(events: list[list], marks: list = (), top: int = 8) -> list[dict]:
     """One record per run of give-back events in `events` (`write_trace`'s [action, addr, size, stream, time_us],
     oldest first): the room just before it (mapped, allocated and free bytes; the `top` largest gaps), how much it
@@ -126,27 +139,10 @@ def give_backs(events: list[list], marks: list = (), top: int = 8) -> list[dict]
             current["request_bytes"], current["oom"] = size, action == "oom"
             out.append(current)
             current = None
-        if action in MAP_ACTIONS:
-            room.map(addr, size)
-        elif action == "alloc":
-            room.live[addr] = size
-        elif action == "free_completed":
-            room.live.pop(addr, None)
+        _replay(room, [action, addr, size])
     if current is not None:
         out.append(current)
     return out
-
-
-def _replay(room: _Room, event: list) -> None:
-    action, addr, size = event[0], event[1] or 0, event[2] or 0
-    if action in MAP_ACTIONS:
-        room.map(addr, size)
-    elif action in UNMAP_ACTIONS:
-        room.unmap(addr, size)
-    elif action == "alloc":
-        room.live[addr] = size
-    elif action == "free_completed":
-        room.live.pop(addr, None)
 
 
 def peak_room(events: list[list], marks: list = (), top: int = 8) -> dict | None:
