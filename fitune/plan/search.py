@@ -233,6 +233,9 @@ class Plan:
     fallback_tokens_per_s: float | None = None
     """Set when the allocated peak is within AT_RISK_SHARE of the budget: the predicted trained tokens/s of what
     `fitune train` falls back to if the first step runs out of memory (`fallback_setup`); the plan ranks by it."""
+    retry_cost_s: float = 0.0
+    """Seconds a step is expected to lose to allocator retries when `retries_expected`: RETRY_COST_S for each decoder
+    layer; 0 otherwise. The plan ranks at its speed net of it (`ranked_tokens_per_s`), after every plan without."""
     method_change: str = ""
     """When the plan trains with another method than the one asked for (the first of --method): what that costs
     and what it buys. Empty otherwise."""
@@ -947,12 +950,23 @@ def plan_rank_key(p: Plan) -> tuple:
     return (p.retries_expected, p.setup.optimizer not in ADAM_FAMILY, -ranked_tokens_per_s(p), -p.headroom_bytes)
 
 
+RETRY_COST_S = 0.011
+"""Seconds one allocator retry costs a step, measured: the 77,824-token QLoRA plan on 15.4 GiB took 24.84 s a step
+with 30-32 retries and 24.51 s with the cap raised and none (bench/results/issue33/retry_cost; one sample each, the
+difference inside run-to-run noise), about 11 ms a retry. Plans expected to retry are charged one a decoder layer,
+as those runs retried (30-32 on 32 layers, bench/results/issue33/retries): a guess elsewhere."""
+
+
 def ranked_tokens_per_s(p: Plan) -> float:
     """The speed a plan ranks by: its fallback's when it is at risk of running out of memory (AT_RISK_SHARE);
-    else its own, less `tightness_penalty` (at equal predicted speed the one with room wins)."""
+    else its own, less `tightness_penalty` (at equal predicted speed the one with room wins). A plan expected to
+    retry ranks at its speed net of `retry_cost_s` (and still after every plan without retries: `plan_rank_key`)."""
     if p.fallback_tokens_per_s is not None:
         return p.fallback_tokens_per_s
-    return p.trained_tokens_per_s * (1 - tightness_penalty(p))
+    speed = p.trained_tokens_per_s * (1 - tightness_penalty(p))
+    if p.retry_cost_s and p.step_time_s > 0:
+        speed *= p.step_time_s / (p.step_time_s + p.retry_cost_s)
+    return speed
 
 
 def tightness_penalty(p: Plan) -> float:
@@ -1004,6 +1018,7 @@ def _make_plan(req: PlanRequest, g: _Group, e: FastEstimate) -> Plan:
                 retries_expected=bool(e.retries_expected), breakdown=dict(e.breakdown), step_time_s=pred.step_time_s,
                 tokens_per_s=tps, trained_tokens_per_s=trained, turns_on=tuple(_turns_on(req, s, g.packing)),
                 requires=tuple(requirements(s)), exact=e.exact,
+                retry_cost_s=RETRY_COST_S * req.model.num_layers if e.retries_expected else 0.0,
                 unvalidated_reasons=tuple(unvalidated_reasons(s) + unmeasured_reasons(s, req.model.model_type)))
 
 
