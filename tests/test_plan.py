@@ -983,10 +983,10 @@ def test_a_plan_expected_to_retry_ranks_net_of_the_retries_measured_cost():
     assert retrying and all(p.retry_cost_s == pytest.approx(32 * RETRY_COST_S) for p in retrying)
     assert all(p.retry_cost_s == 0 for p in result.plans if not p.retries_expected)
     p = retrying[0]
-    if p.fallback_tokens_per_s is None:
-        net = p.trained_tokens_per_s * (1 - tightness_penalty(p)) * p.step_time_s / (p.step_time_s + p.retry_cost_s)
-        assert ranked_tokens_per_s(p) == pytest.approx(net)
-        assert ranked_tokens_per_s(dataclasses.replace(p, retry_cost_s=0.0)) > ranked_tokens_per_s(p)
+    assert p.fallback_tokens_per_s is None and p.step_time_s > 0
+    net = p.trained_tokens_per_s * (1 - tightness_penalty(p)) * p.step_time_s / (p.step_time_s + p.retry_cost_s)
+    assert ranked_tokens_per_s(p) == pytest.approx(net)
+    assert ranked_tokens_per_s(dataclasses.replace(p, retry_cost_s=0.0)) > ranked_tokens_per_s(p)
     ranks = [q.retries_expected for q in result.plans]
     assert ranks == sorted(ranks)  # the plans without retries first
     from fitune.cli.plan import format_result

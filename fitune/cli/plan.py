@@ -333,9 +333,9 @@ def format_result(result, elapsed_s: float, notes=(), written: bool = False) -> 
                          f"{_gib(p.peak_reserved_bytes):>10s} {flag} {describe(p.setup)}" + (", packing" if p.packing else ""))
             lines.append(f"      turns on: {'; '.join(p.turns_on) if p.turns_on else 'nothing (the plain setup fits)'}")
             if p.retries_expected:
-                lines.append("      ! the reserved peak is over the budget: expect allocator retries (about one a layer, "
-                             f"{p.retry_cost_s:.2f} s of a {p.step_time_s:.2f} s step at the measured 11 ms each, "
-                             "ranked net of it and after the plans without; a fragmented cache can still fail)")
+                lines.append("      ! the reserved peak is over the budget: expect allocator retries (about one a "
+                             f"layer, {p.retry_cost_s:.2f} s of a {p.step_time_s:.2f} s step at the measured 11 ms "
+                             "each, ranked net of it and after the plans without; a fragmented cache can still fail)")
             if p.fallback_tokens_per_s is not None:
                 lines.append("      at risk: the allocated peak is within 2 % of the budget, so the first step may run "
                              "out of memory" + _tight_fallback(p.setup) + "; ranked at that fallback's predicted "

@@ -858,8 +858,6 @@ def _confirm(req: PlanRequest, fast: FastEstimator, accepted: list[_Group]) -> t
 
 #: The lighter optimizer a tight plan is also offered with (`_roomier_twin`): the same update, smaller state.
 ROOMIER_TWIN = {"adamw": "adamw8bit"}
-
-
 TWIN_MIN_GAIN = 0.01
 """The room a twin must add (a share of the budget) to be offered: LoRA r8 on q_proj and v_proj of an 8B model has
 under 30 MiB of AdamW state, not worth another optimizer; r32 on every linear layer of it, 0.5 GiB."""
@@ -867,13 +865,13 @@ under 30 MiB of AdamW state, not worth another optimizer; r32 on every linear la
 
 def _roomier_twin(req: PlanRequest, fast: FastEstimator, g: _Group, p: Plan | None) -> tuple[_Group, Plan] | None:
     """A tight plan's twin with the lighter optimizer of ROOMIER_TWIN, when it fits without retries and has at least
-    TWIN_MIN_GAIN more room: the ranking then prefers it where it is predicted about as fast (`tightness_penalty`). The search adds a
-    lighter optimizer only to a setup whose own does not fit, so a plan that fits by a few hundred MiB was never
-    offered with more room. Measured at 131,072 tokens on the rtx4090's budget (QLoRA r32 all-linear, offloaded
-    checkpoints, the embedding table in host memory): with AdamW, 654 MiB of room by the estimate, the run took the
-    allocator's whole room and retried 1-3 times a step (bench/results/issue33/ballast_4090_adamw); with 8-bit AdamW,
-    1.1 GiB by the estimate, it reserved 1.0 GiB more than estimated and never retried, 57 s a step as with AdamW
-    (bench/results/issue33/ballast_8bit)."""
+    TWIN_MIN_GAIN more room: the ranking then prefers it where it is predicted about as fast (`tightness_penalty`).
+    The search adds a lighter optimizer only to a setup whose own does not fit, so a plan that fits by a few hundred
+    MiB was never offered with more room. Measured at 131,072 tokens on the rtx4090's budget (QLoRA r32 all-linear,
+    offloaded checkpoints, the embedding table in host memory): with AdamW, 654 MiB of room by the estimate, the run
+    took the allocator's whole room and retried 1-3 times a step (bench/results/issue33/ballast_4090_adamw); with
+    8-bit AdamW, 1.1 GiB by the estimate, it reserved 1.0 GiB more than estimated and never retried, 57 s a step as
+    with AdamW (bench/results/issue33/ballast_plan1, ballast_8bit)."""
     lighter = ROOMIER_TWIN.get(g.optimizer or "")
     if p is None or p.retries_expected or lighter not in req.optimizers:
         return None
@@ -881,7 +879,8 @@ def _roomier_twin(req: PlanRequest, fast: FastEstimator, g: _Group, p: Plan | No
         return None
     twin = dataclasses.replace(g, optimizer=lighter)
     e = fast.confirm(_setup(req, twin, lighter))
-    if not e.fits or e.retries_expected or p.peak_reserved_bytes - e.peak_reserved_bytes < TWIN_MIN_GAIN * p.budget_bytes:
+    gain_bytes = p.peak_reserved_bytes - e.peak_reserved_bytes
+    if not e.fits or e.retries_expected or gain_bytes < TWIN_MIN_GAIN * p.budget_bytes:
         return None
     twin.estimate = e
     return twin, _make_plan(req, twin, e)
@@ -973,9 +972,9 @@ def tightness_penalty(p: Plan) -> float:
     """The ranking handicap of a tight plan: TIGHT_PENALTY with no room left under the budget (or over it), falling
     linearly to half of it at TIGHT_SHARE of room; 0 when not tight. Measured: at 131,072 tokens on the rtx4090's
     budget, the plan with 0.57 % room by the estimate (136 MiB) took the allocator's whole room and retried 9 times
-    in its first step (bench/results/issue33/ballast_4090); the plan predicted as fast with 2.8 % (654 MiB), which
-    this handicap now ranks first, retried 1, 2 and 3 times in steps 1-3 (bench/results/issue33/ballast_4090_adamw):
-    fewer, not none."""
+    in its first step (bench/results/issue33/ballast_4090); with 2.8 % (654 MiB) it retried 1, 2 and 3 times in
+    steps 1-3 (ballast_4090_adamw); with 4.8 % (1.1 GiB, `_roomier_twin`), which this handicap ranks first of the
+    three, none (ballast_plan1)."""
     if not p.tight:
         return 0.0
     room_share = min(max(p.headroom_bytes, 0) / p.budget_bytes / TIGHT_SHARE, 1.0)
