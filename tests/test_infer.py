@@ -218,10 +218,33 @@ def test_bad_prompt_files_are_refused_by_line(tmp_path, capsys):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "ok"}\n\nnot json\n{"text": "x"}\n')
     with pytest.raises(DataError, match=r"^--prompts .*p.jsonl: line 3: not JSON .*; line 4: expected "
-                                        r"\{\"prompt\": \"...\"\} or \{\"messages\""):
+                                        r"\{\"prompt\": \"...\"\}, \{\"messages\""):
         read_prompts(str(path))
     assert read_prompts(_write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}, {"messages": PROMPTS[2]}])) == \
         ["a", PROMPTS[2]]
+    path.write_text('{"instruction": "Add 2 and 3.", "input": 5}\n')
+    with pytest.raises(DataError, match=r"line 1: an alpaca row whose field 'input' is a number, not a string"):
+        read_prompts(str(path))
+
+
+def test_alpaca_rows_prompt_as_training_renders_them(tmp_path):
+    """A held-out alpaca row (its output left out) is a prompt: the system and user messages under a chat template,
+    as fitune train's alpaca rows are rendered, else (or with --raw) the Alpaca prompt text."""
+    from fitune.cli.generate import read_prompts, resolve_prompts
+    from fitune.data.convert import ALPACA_PROMPT
+
+    rows = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+            {"instruction": "Translate.", "input": "chat", "system": "Be brief."}, {"prompt": "hi"}]
+    read = read_prompts(_write_jsonl(tmp_path / "a.jsonl", rows))
+    chat, plain = type("T", (), {"chat_template": "{{ x }}"})(), type("T", (), {"chat_template": None})()
+    assert resolve_prompts(read, chat, raw=False) == [
+        [{"role": "user", "content": "Add 2 and 3."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Translate.\n\nchat"}], "hi"]
+    no_template = resolve_prompts(read, plain, raw=False)
+    assert no_template[0] == ALPACA_PROMPT["prompt_no_input"].format(instruction="Add 2 and 3.")
+    assert no_template[1] == "Be brief.\n\n" + ALPACA_PROMPT["prompt_input"].format(instruction="Translate.",
+                                                                                  input="chat")
+    assert resolve_prompts(read, chat, raw=True) == no_template
 
 
 # ---- chat -----------------------------------------------------------------------------------------------

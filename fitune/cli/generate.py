@@ -9,9 +9,10 @@ import argparse
 import json
 import sys
 
+from ..data.convert import ShapeProblem, alpaca_prompt
 from ..errors import ConfigError, DataError
 from ..files import UnsafeFileError, open_output_stream, read_text_regular
-from ..infer.generate import GenerationSettings, iter_generate
+from ..infer.generate import GenerationSettings, has_chat_template, iter_generate
 from .common import check_output_file
 
 DESCRIPTION = """\
@@ -22,9 +23,12 @@ finished: the model ended the response itself (false: cut at --max-new-tokens); 
 RUN_DIR: the output_dir of `fitune train` (its adapter/ over the base model the run names, or merged/ / model/),
 a Hugging Face model folder, or a PEFT adapter folder.
 
-Prompts: --prompt TEXT (one), or --prompts FILE.jsonl, one object a line: {"prompt": "..."} or
-{"messages": [{"role": "user", "content": "..."}, ...]}. A prompt string is sent as one user message through
-the tokenizer's chat template (as fitune train's chat format renders it); --raw sends it as plain text instead.
+Prompts: --prompt TEXT (one), or --prompts FILE.jsonl, one object a line: {"prompt": "..."},
+{"messages": [{"role": "user", "content": "..."}, ...]}, or an alpaca row {"instruction", "input"?, "system"?}
+(its "output", if there, is left out: a held-out part of the training file works as it is). A prompt string is sent
+as one user message through the tokenizer's chat template (as fitune train's chat format renders it); --raw sends it
+as plain text instead. An alpaca row is rendered as fitune train renders its prompt: through the chat template, or
+as the Alpaca prompt text where the tokenizer has none (or with --raw).
 Prompts are generated --batch-size at a time (left padding). Greedy by default (--temperature 0): the same
 tokens as generating each prompt alone.
 
@@ -98,8 +102,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_load_arguments(p)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one prompt")
-    prompts.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} or {"messages": '
-                         '[...]} a line')
+    prompts.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...}, {"messages": '
+                         '[...]} or alpaca {"instruction": ..., "input": ...} a line')
     p.add_argument("--raw", action="store_true", help="send prompt strings as plain text, not through the chat "
                    "template")
     add_sampling_arguments(p, max_new_tokens=256)
@@ -110,7 +114,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def read_prompts(path: str) -> list:
-    """The prompts of a JSONL file: strings ({"prompt"}) and message lists ({"messages"}).
+    """The prompts of a JSONL file: strings ({"prompt"}), message lists ({"messages"}) and alpaca rows (as dicts,
+    rendered by `resolve_prompts` once the tokenizer is loaded).
 
     Raises:
         DataError: a missing file, a line that is not such an object (every bad line named), no prompt at all.
@@ -134,15 +139,34 @@ def read_prompts(path: str) -> list:
             prompts.append(record["prompt"])
         elif isinstance(record, dict) and _is_messages(record.get("messages")):
             prompts.append(record["messages"])
+        elif isinstance(record, dict) and "instruction" in record and _alpaca_problem(record) is None:
+            prompts.append(dict(record))  # rendered once the tokenizer is known (`resolve_prompts`)
+        elif isinstance(record, dict) and "instruction" in record:
+            bad.append(f"line {number}: an alpaca row whose {_alpaca_problem(record)}")
         else:
-            bad.append(f"line {number}: expected {{\"prompt\": \"...\"}} or {{\"messages\": [{{\"role\": ..., "
-                       "\"content\": ...}, ...]}")
+            bad.append(f"line {number}: expected {{\"prompt\": \"...\"}}, {{\"messages\": [{{\"role\": ..., "
+                       "\"content\": ...}, ...]} or {\"instruction\": \"...\", \"input\": \"...\"}")
     if bad:
         shown = "; ".join(bad[:5]) + (f"; ... ({len(bad)} bad lines)" if len(bad) > 5 else "")
         raise DataError(f"--prompts {path}: {shown}", path=path, line=int(bad[0].split()[1].rstrip(":")))
     if not prompts:
         raise DataError(f"--prompts {path} holds no prompt (one JSON object a line)", path=path)
     return prompts
+
+
+def _alpaca_problem(record: dict) -> str | None:
+    try:
+        alpaca_prompt(record, chat_template=True)
+    except ShapeProblem as exc:
+        return str(exc)
+    return None
+
+
+def resolve_prompts(prompts: list, tokenizer, raw: bool) -> list:
+    """Alpaca rows (dicts from `read_prompts`) rendered for `tokenizer` as fitune train renders their prompts; the
+    other prompts as they are."""
+    chat = has_chat_template(tokenizer) and not raw
+    return [alpaca_prompt(p, chat) if isinstance(p, dict) else p for p in prompts]
 
 
 def _is_messages(value) -> bool:
@@ -158,6 +182,7 @@ def run(args) -> int:
     if args.out:
         check_output_file(args.out, "--out")
     model, tokenizer, _ = load_from_args(args)
+    prompts = resolve_prompts(prompts, tokenizer, args.raw)
     import torch
 
     from .progress import progress_callback

@@ -106,6 +106,17 @@ def _alpaca(record: dict, chat_template: bool) -> tuple[str, dict]:
     return "completion", {"prompt": prompt, "completion": output}
 
 
+def alpaca_prompt(record: dict, chat_template: bool) -> str | list[dict]:
+    """The prompt of an alpaca record as training renders it (`_alpaca`), without the answer: the system and user
+    messages with a chat template, else the Alpaca prompt text. An "output", if there, is left out.
+
+    Raises:
+        ShapeProblem: no string "instruction", or an "input" / "system" that is not a string.
+    """
+    kind, row = _alpaca({**record, "output": ""}, chat_template)
+    return row["messages"][:-1] if kind == "chat" else row["prompt"]
+
+
 def _sharegpt(record: dict) -> list[dict]:
     turns = record.get("conversations")
     if "conversations" not in record:
